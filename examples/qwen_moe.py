@@ -1,0 +1,411 @@
+"""Qwen Mixture-of-Experts LLMs with random weights: build, export one decode-step ONNX graph, check it on ORT.
+
+Two architectures, each in three sizes (see `build_model`):
+
+- ``qwen2_moe``: Qwen1.5-MoE-A2.7B (60 experts, top-4 without renormalisation, sigmoid-gated shared expert, qkv bias).
+- ``qwen3_moe``: Qwen3-30B-A3B (128 experts, top-8 renormalised, GQA, QK-norm, no shared expert).
+
+The export (`export_hf`) uses transformers' own ONNX exporter with dynamic sequence and past axes, so one graph serves
+both the prefill (past length 0) and every decode step. `greedy_decode` drives such a graph through any
+``run(feeds) -> outputs`` callable (ONNX Runtime, an IREE module, ...) with numpy arrays only.
+
+CLI::
+
+    python examples/qwen_moe.py --arch qwen2_moe --size tiny --dtype fp32 --out out/qwen2_moe_tiny
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir
+import torch
+import transformers
+from transformers.exporters.exporter_onnx import OnnxConfig, OnnxExporter
+
+ARCHS = ("qwen2_moe", "qwen3_moe")
+SIZES = ("tiny", "mid", "full")
+
+_MODEL_CLASSES = {
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+}
+
+# Config overrides per (arch, size); everything not named keeps the transformers default of the config class.
+# "tiny" is fixed: a bug report depends on exactly these values (plus seed 0 and the router redraw).
+_CONFIGS: dict[tuple[str, str], dict] = {
+    ("qwen2_moe", "tiny"): dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        shared_expert_intermediate_size=256, num_experts=8, num_experts_per_tok=4, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, norm_topk_prob=False, qkv_bias=True,
+    ),
+    ("qwen2_moe", "mid"): dict(
+        vocab_size=4096, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+        shared_expert_intermediate_size=1024, num_experts=60, num_experts_per_tok=4, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=8, norm_topk_prob=False, qkv_bias=True,
+    ),
+    # Qwen/Qwen1.5-MoE-A2.7B config.json
+    ("qwen2_moe", "full"): dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, norm_topk_prob=False, qkv_bias=True,
+        max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643,
+    ),
+    ("qwen3_moe", "tiny"): dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=16,
+        num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        norm_topk_prob=True,
+    ),
+    ("qwen3_moe", "mid"): dict(
+        vocab_size=4096, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512, num_experts=32,
+        num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        norm_topk_prob=True,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json
+    ("qwen3_moe", "full"): dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        norm_topk_prob=True, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+}
+
+ROUTER_STD = 0.5
+# Above this many bytes of weights `export_hf` writes them to `model.onnx.data` (protobuf files stop at 2 GiB).
+_INLINE_WEIGHTS_LIMIT = 1 << 30
+_KV_NAME = re.compile(r"layers\.(\d+)\.(keys|values)$")
+
+
+def build_model(
+    arch: str,
+    size: str = "tiny",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> transformers.PreTrainedModel:
+    """A randomly initialised Qwen MoE causal LM in eval mode, ready for `export_hf`.
+
+    Args:
+        arch: ``"qwen2_moe"`` (`Qwen2MoeForCausalLM`) or ``"qwen3_moe"`` (`Qwen3MoeForCausalLM`).
+        size: ``"tiny"`` (tests), ``"mid"`` (benchmarks) or ``"full"`` (the real model's config).
+        dtype: parameter dtype, e.g. ``torch.float32`` or ``torch.float16`` (fp16 runs on CPU too).
+        seed: ``torch.manual_seed`` before construction; the same seed gives the same weights in every dtype.
+        device: where the parameters live. ``"meta"`` builds the module tree without allocating any weight (the full
+            qwen2_moe is 14.3 B parameters): such a model traces, e.g. ``OnnxExporter().export(model, sample,
+            OnnxConfig(dynamic=True, optimize=False))`` exports the full graph (the optimizer fails on meta tensors),
+            but its weights can't be saved, so `export_hf` refuses it.
+
+    The weights are drawn in float32 and then cast to ``dtype`` (a real-device "full" model briefly needs its fp32
+    size in memory). Unless on meta, every router weight (``*.mlp.gate.weight``, [num_experts, hidden]) is redrawn
+    from N(0, 0.5) after construction: with the default std 0.02 the router is nearly uniform and top-k picks
+    experts by rounding noise, which makes runtimes disagree on the selection.
+
+    Experts use the ``batched_mm`` implementation (the eager per-expert loop does not export with dynamo) and
+    attention the ``eager`` one.
+
+    Raises:
+        ValueError: unknown ``arch`` or ``size``.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; valid: {', '.join(SIZES)}")
+    config_class, model_class = _MODEL_CLASSES[arch]
+    config = config_class(**_CONFIGS[arch, size])
+    config._attn_implementation = "eager"
+    config._experts_implementation = "batched_mm"
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_class(config)
+    if model.device.type != "meta":
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.normal_(0.0, ROUTER_STD)
+    return model.to(dtype).eval()
+
+
+def _decode_sample(model: transformers.PreTrainedModel, past_len: int, seq_len: int) -> dict:
+    """Forward kwargs of one decode step: ``seq_len`` new tokens after ``past_len`` cached ones (random values)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_shape = (1, config.num_key_value_heads, past_len, head_dim)
+    cache = transformers.DynamicCache(config=config)
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(config.num_hidden_layers):
+        keys, values = (torch.randn(kv_shape, generator=generator).to(model.device, model.dtype) for _ in range(2))
+        cache.update(keys, values, layer)
+    total = past_len + seq_len
+    return dict(
+        input_ids=torch.randint(0, config.vocab_size, (1, seq_len), generator=generator).to(model.device),
+        attention_mask=torch.ones(1, total, dtype=torch.int64, device=model.device),
+        position_ids=torch.arange(past_len, total, device=model.device)[None],
+        # The deprecated alias of `cache`: it names the graph inputs `past_key_values.*` and the outputs `cache.*`,
+        # where `cache=` would give `input.cache.*` / `output.cache.*`.
+        past_key_values=cache,
+        use_cache=True,
+    )
+
+
+def export_hf(model: transformers.PreTrainedModel, out_dir: str | Path, *, past_len: int = 5,
+              seq_len: int = 2) -> Path:
+    """Export one decode step of ``model`` to ``out_dir/model.onnx`` with transformers' `OnnxExporter`.
+
+    Traced with a sample of ``seq_len`` new tokens after a DynamicCache of ``past_len`` tokens, with
+    ``OnnxConfig(dynamic=True)`` (onnxscript optimisation on, no ORT fusions). The sequence and past axes stay
+    symbolic, so the graph runs a prefill (past length 0) as well as decode steps; batch is fixed at 1.
+
+    Graph inputs (B=1, S new tokens, P past tokens, T = P+S, L layers, Hkv kv heads, D head dim; float = model dtype):
+
+    - ``input_ids`` int64 [1, S]
+    - ``attention_mask`` int64 [1, T] (its own symbolic axis; feed ones)
+    - ``position_ids`` int64 [1, S] (P ... T-1)
+    - ``past_key_values.layers.{i}.keys``, ``past_key_values.layers.{i}.values`` float [1, Hkv, P, D], i < L,
+      in that order (keys, values of layer 0, then layer 1, ...)
+
+    Graph outputs:
+
+    - ``logits`` float [1, S, vocab]
+    - ``cache.layers.{i}.keys``, ``cache.layers.{i}.values`` float [1, Hkv, T, D] (Concat(past, new) on axis 2)
+
+    The exporter names the static axes of the past inputs as symbolic dims "4", "32", ...; they are written as static
+    sizes. Weights are stored inside the file unless they exceed 1 GiB, then in ``model.onnx.data`` next to it.
+
+    Returns:
+        The path of the written ``.onnx`` file.
+
+    Raises:
+        ValueError: ``model`` is on the meta device (nothing to save).
+    """
+    if model.device.type == "meta":
+        raise ValueError("a meta-device model has no weights to save; export it with OnnxExporter().export(model, "
+                         "sample, OnnxConfig(dynamic=True, optimize=False)) and write the weights yourself")
+    sample = _decode_sample(model, past_len, seq_len)
+    program = OnnxExporter().export(model, sample, OnnxConfig(dynamic=True)).program
+    _make_numeric_dims_static(program.graph)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.onnx"
+    weight_bytes = sum(value.const_value.nbytes for value in program.graph.initializers.values())
+    external = f"{path.name}.data" if weight_bytes > _INLINE_WEIGHTS_LIMIT else None
+    onnx_ir.save(program, str(path), external_data=external)
+    return path
+
+
+def _make_numeric_dims_static(graph: onnx_ir.Graph) -> None:
+    """The exporter declares the fixed axes of the past inputs (kv heads, head dim) as symbolic dims *named* "4",
+    "32", ...; turn those into static sizes so that importers see them as static."""
+
+    def static(dim):
+        return int(dim.value) if isinstance(dim, onnx_ir.SymbolicDim) and str(dim.value).isdigit() else dim
+
+    for value in graph.inputs:
+        if value.shape is not None:
+            value.shape = onnx_ir.Shape([static(dim) for dim in value.shape])
+
+
+@dataclass(frozen=True)
+class DecodeSignature:
+    """What `greedy_decode` needs to know about a decode-step graph.
+
+    Attributes:
+        input_names: graph input names, in graph order.
+        output_names: graph output names, in graph order.
+        kv_shape_per_layer: (num_kv_heads, head_dim) of every past key/value input [1, Hkv, P, D].
+        dtype: numpy dtype of the past key/value inputs (the model's float dtype).
+    """
+
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    kv_shape_per_layer: tuple[int, int]
+    dtype: np.dtype
+
+
+def decode_signature(onnx_path: str | Path) -> DecodeSignature:
+    """Read the `DecodeSignature` of a graph written by `export_hf` (weights are not loaded)."""
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    past = [value for value in graph.input if _KV_NAME.search(value.name)]
+    if not past:
+        raise ValueError(f"{onnx_path} has no past key/value inputs (names ending in layers.N.keys/values)")
+    tensor_type = past[0].type.tensor_type
+    dims = tensor_type.shape.dim
+    if len(dims) != 4 or not (dims[1].HasField("dim_value") and dims[3].HasField("dim_value")):
+        raise ValueError(f"{past[0].name} should be [1, num_kv_heads, past, head_dim] with static heads and "
+                         f"head_dim, got {[d.dim_value if d.HasField('dim_value') else d.dim_param for d in dims]}")
+    return DecodeSignature(
+        input_names=tuple(value.name for value in graph.input),
+        output_names=tuple(value.name for value in graph.output),
+        kv_shape_per_layer=(dims[1].dim_value, dims[3].dim_value),
+        dtype=np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)),
+    )
+
+
+def present_to_past(input_names: Sequence[str], output_names: Sequence[str]) -> dict[str, str]:
+    """Map each present key/value output to the past input it feeds next step, by its ``layers.N.keys|values`` tail.
+
+    Works for ``cache.*``, ``present.*`` or ``output.cache.*`` outputs and ``past_key_values.*`` or ``input.cache.*``
+    inputs. Raises ValueError unless the outputs cover every past input exactly once.
+    """
+    past_by_key = {_KV_NAME.search(name).groups(): name for name in input_names if _KV_NAME.search(name)}
+    mapping = {name: past_by_key.get(_KV_NAME.search(name).groups())
+               for name in output_names if _KV_NAME.search(name)}
+    if None in mapping.values() or sorted(mapping.values()) != sorted(past_by_key.values()):
+        raise ValueError(f"present outputs {sorted(mapping)} do not match past inputs {sorted(past_by_key.values())}")
+    return mapping
+
+
+def make_feeds(input_names: Sequence[str], input_ids: np.ndarray, past: Mapping[str, np.ndarray],
+               past_len: int) -> dict[str, np.ndarray]:
+    """Feeds for one step of a decode-step graph.
+
+    Args:
+        input_names: the graph's input names; only these are fed.
+        input_ids: int64 [1, S], the new tokens.
+        past: past key/value arrays [1, Hkv, past_len, D] by input name.
+        past_len: P, number of tokens already in ``past``.
+
+    Returns:
+        ``input_ids``; ``attention_mask`` = ones int64 [1, P+S]; ``position_ids`` = arange(P, P+S) int64 [1, S]; and
+        ``past``, restricted to ``input_names``.
+
+    Raises:
+        ValueError: an input of the graph is neither one of those three nor in ``past``.
+    """
+    seq_len = input_ids.shape[1]
+    available = dict(past)
+    available.update(
+        input_ids=np.asarray(input_ids, dtype=np.int64),
+        attention_mask=np.ones((1, past_len + seq_len), dtype=np.int64),
+        position_ids=np.arange(past_len, past_len + seq_len, dtype=np.int64)[None],
+    )
+    missing = [name for name in input_names if name not in available]
+    if missing:
+        raise ValueError(f"no value for graph inputs {missing}")
+    return {name: available[name] for name in input_names}
+
+
+def greedy_decode(
+    run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]],
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    prompt_ids: Sequence[int],
+    steps: int,
+    kv_shape_per_layer: tuple[int, int],
+    dtype: np.dtype | type,
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy generation of ``steps`` tokens through a decode-step graph (batch 1), runtime-agnostic.
+
+    The first call is a prefill of the whole prompt on an empty past (arrays [1, Hkv, 0, D]); each later call feeds
+    the last generated token with the previous call's present outputs as past inputs (mapped by `present_to_past`).
+
+    Args:
+        run: runs the graph: feeds by input name -> outputs by output name (at least ``logits`` and the presents).
+        input_names: graph input names (``input_ids``, ``attention_mask``, ``position_ids``, past keys/values).
+        output_names: graph output names (``logits`` [1, S, vocab] and present keys/values [1, Hkv, P+S, D]).
+        prompt_ids: the prompt's token ids (at least one).
+        steps: number of tokens to generate (>= 1): one prefill call and ``steps - 1`` decode calls.
+        kv_shape_per_layer: (Hkv, D) of every past key/value.
+        dtype: dtype of the past keys/values (np.float32, np.float16, ...).
+
+    Returns:
+        (generated token ids, the ``logits`` returned by each call: [1, len(prompt), vocab] then [1, 1, vocab] each).
+    """
+    if not prompt_ids or steps < 1:
+        raise ValueError(f"need a non-empty prompt and steps >= 1, got {len(prompt_ids)} tokens, steps={steps}")
+    if "logits" not in output_names:
+        raise ValueError(f"no 'logits' among the graph outputs {list(output_names)}")
+    mapping = present_to_past(input_names, output_names)
+    num_kv_heads, head_dim = kv_shape_per_layer
+    past = {name: np.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype) for name in mapping.values()}
+    past_len = 0
+    new_ids = np.asarray([prompt_ids], dtype=np.int64)
+    tokens, all_logits = [], []
+    for _ in range(steps):
+        outputs = run(make_feeds(input_names, new_ids, past, past_len))
+        logits = np.asarray(outputs["logits"])
+        all_logits.append(logits)
+        tokens.append(int(logits[0, -1].argmax()))
+        past = {past_name: np.asarray(outputs[present_name]) for present_name, past_name in mapping.items()}
+        past_len += new_ids.shape[1]
+        new_ids = np.asarray([[tokens[-1]]], dtype=np.int64)
+    return tokens, all_logits
+
+
+def _torch_greedy(model: transformers.PreTrainedModel, prompt_ids: list[int],
+                  steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Reference for `greedy_decode`: the same loop on the PyTorch model with its own DynamicCache."""
+    tokens, all_logits = [], []
+    cache = None
+    new_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(input_ids=new_ids, cache=cache, use_cache=True)
+            cache = out.cache
+            all_logits.append(out.logits.numpy())
+            tokens.append(int(out.logits[0, -1].argmax()))
+            new_ids = torch.tensor([[tokens[-1]]])
+    return tokens, all_logits
+
+
+def check_export(model: transformers.PreTrainedModel, onnx_path: str | Path, *, steps: int = 4,
+                 prompt_len: int = 5) -> dict:
+    """Compare greedy generation on the PyTorch model with the export on ONNX Runtime (CPU EP).
+
+    Both start with a prefill of a random prompt (``prompt_len`` ids from seed 0) on an empty cache, then decode
+    ``steps - 1`` more tokens, each feeding back the presents (ORT side: `greedy_decode`).
+
+    Returns:
+        ``max_abs_logits``: max |ort - torch| over the logits of every call (prefill and decode positions);
+        ``max_rel_logits``: that divided by max |torch logits|;
+        ``tokens_torch``, ``tokens_ort``: the generated ids.
+    """
+    import onnxruntime as ort
+
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    tokens_torch, logits_torch = _torch_greedy(model, prompt, steps)
+
+    signature = decode_signature(onnx_path)
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    output_names = list(signature.output_names)
+
+    def run(feeds):
+        return dict(zip(output_names, session.run(output_names, feeds)))
+
+    tokens_ort, logits_ort = greedy_decode(run, signature.input_names, output_names, prompt, steps,
+                                           signature.kv_shape_per_layer, signature.dtype)
+    max_abs = max(float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+                  for a, b in zip(logits_ort, logits_torch))
+    max_ref = max(float(np.abs(b.astype(np.float64)).max()) for b in logits_torch)
+    return dict(max_abs_logits=max_abs, max_rel_logits=max_abs / max_ref,
+                tokens_torch=tokens_torch, tokens_ort=tokens_ort)
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", choices=ARCHS, default="qwen2_moe")
+    parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--dtype", choices=list(_DTYPES), default="fp32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", type=Path, required=True, help="directory for model.onnx")
+    args = parser.parse_args(argv)
+    model = build_model(args.arch, args.size, _DTYPES[args.dtype], args.seed)
+    path = export_hf(model, args.out)
+    print(json.dumps(dict(onnx=str(path), **check_export(model, path, steps=args.steps)), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""What every backend provides: lowering a rewritten graph into an output folder, and running that folder.
+
+An output folder always holds ``manifest.json`` (see :class:`Manifest`) and ``model.onnx``, the rewritten
+graph the backend lowered (kept so ``rewrite verify --locate`` can expose its intermediate values).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from rewrite.core.feeds import TensorSpec
+from rewrite.core.ir import Graph
+from rewrite.errors import BackendError
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "rewrite-manifest/1"
+
+
+@dataclass
+class Manifest:
+    """Contents of ``manifest.json``.
+
+    Attributes:
+        backend: ``ort`` or ``iree``.
+        target: ``cpu`` for ort; ``llvm-cpu`` or ``cuda`` for iree.
+        source_model: path of the model given to ``rewrite apply``.
+        model: the rewritten ONNX file in the folder.
+        files: role -> file name in the folder (``vmfb``, ``mlir``, ``params``, ...).
+        entry_function: name of the compiled function to call (iree).
+        inputs, outputs: TensorSpec JSON of the function's arguments and results, in call order.
+        state: module state (stateful KV cache globals), empty when none.
+        kernel_objects: kernel object files linked in, relative to the folder.
+        plugins: short names of the plugins applied, in order.
+        dims: dimension overrides applied.
+        report: per-plugin reports (see ``rewrite.core.driver.PluginReport.to_json``).
+    """
+
+    backend: str
+    target: str
+    source_model: str
+    model: str = "model.onnx"
+    files: dict[str, str] = field(default_factory=dict)
+    entry_function: str | None = None
+    inputs: list[dict] = field(default_factory=list)
+    outputs: list[dict] = field(default_factory=list)
+    state: list[dict] = field(default_factory=list)
+    kernel_objects: list[str] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
+    dims: dict[str, int] = field(default_factory=dict)
+    report: list[dict] = field(default_factory=list)
+    format: str = MANIFEST_FORMAT
+
+    def write(self, folder: Path) -> None:
+        (folder / MANIFEST).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def read(cls, folder: Path) -> "Manifest":
+        """Raises BackendError when the folder holds no readable manifest."""
+        p = Path(folder) / MANIFEST
+        if not p.is_file():
+            raise BackendError(f"{folder}: no {MANIFEST} (not an output folder of 'rewrite apply')")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise BackendError(f"{p}: not valid JSON ({e})") from e
+        if d.get("format") != MANIFEST_FORMAT:
+            raise BackendError(f"{p}: manifest format {d.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        return cls(**d)
+
+    @property
+    def input_specs(self) -> list[TensorSpec]:
+        return [TensorSpec.from_json(d) for d in self.inputs]
+
+    @property
+    def output_specs(self) -> list[TensorSpec]:
+        return [TensorSpec.from_json(d) for d in self.outputs]
+
+
+class Runner(Protocol):
+    """A loaded output folder: call it with inputs by name, get outputs by name."""
+
+    input_names: list[str]
+    output_names: list[str]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+class Backend(Protocol):
+    """A lowering target."""
+
+    name: str
+    targets: tuple[str, ...]
+
+    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
+        """Write the lowered model into ``folder`` and fill in ``manifest`` (files, inputs, outputs, ...)."""
+        ...
+
+    def load(self, folder: Path, manifest: Manifest) -> Runner: ...
+
+
+def check_feeds(names: list[str], feeds: dict[str, np.ndarray], where: str) -> list[np.ndarray]:
+    """Feeds in ``names`` order. Raises BackendError naming the missing or unexpected input."""
+    missing = [n for n in names if n not in feeds]
+    if missing:
+        raise BackendError(f"{where}: missing input '{missing[0]}' (inputs: {', '.join(names)})")
+    extra = [n for n in feeds if n not in names]
+    if extra:
+        raise BackendError(f"{where}: unexpected input '{extra[0]}' (inputs: {', '.join(names)})")
+    return [np.ascontiguousarray(feeds[n]) for n in names]

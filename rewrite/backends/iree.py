@@ -1,0 +1,69 @@
+"""The ``iree`` backend: IREE's ONNX importer, then iree-compile, run through iree.runtime.
+
+Steps in the output folder: ``model.onnx`` (rewritten, with value_info on every value) -> ``model.mlir``
+(+ ``model.irpa`` holding initializers of at least ``param_threshold`` elements) -> ``model.vmfb``.
+Between import and compile, plugins' IREE lowerings patch their abstract ops into extern dispatches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from rewrite.backends.base import Manifest, check_feeds
+from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
+from rewrite.core import onnx_io
+from rewrite.core.feeds import specs_of
+from rewrite.core.ir import Graph
+
+DEFAULT_PARAM_THRESHOLD = 4096  #: initializers with at least this many elements go to the .irpa
+
+
+class IreeRunner:
+    """A compiled module; inputs by name in graph-input order, outputs by name."""
+
+    def __init__(self, folder: Path, manifest: Manifest):
+        params = manifest.files.get("params")
+        self.module = IreeModule(
+            folder / manifest.files["vmfb"],
+            params_path=(folder / params) if params else None,
+            driver=DRIVER_FOR_TARGET[manifest.target],
+        )
+        self.function = manifest.entry_function
+        self.input_names = [d["name"] for d in manifest.inputs]
+        self.output_names = [d["name"] for d in manifest.outputs]
+        self.where = str(folder)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        args = check_feeds(self.input_names, feeds, self.where)
+        outs = self.module(*args, function=self.function)
+        return dict(zip(self.output_names, outs))
+
+
+class IreeBackend:
+    name = "iree"
+    targets = ("llvm-cpu", "cuda")
+
+    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
+        onnx_path = folder / manifest.model
+        onnx_io.save(graph, onnx_path)
+        model = onnx_io.to_model(graph)
+        manifest.inputs = [s.to_json() for s in specs_of(model.graph.input) if s.name not in graph.initializers]
+        manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
+        res = import_onnx(
+            onnx_path,
+            folder / "model.mlir",
+            params_path=folder / "model.irpa",
+            param_threshold_elements=int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD)),
+        )
+        for patch in options.get("mlir_patches", ()):
+            patch(res.mlir_path, folder, manifest)
+        compile_mlir(res.mlir_path, folder / "model.vmfb", target=manifest.target)
+        manifest.entry_function = res.entry_function
+        manifest.files.update(mlir="model.mlir", vmfb="model.vmfb", compile_log="compile.log")
+        if res.params_path is not None:
+            manifest.files["params"] = res.params_path.name
+
+    def load(self, folder: Path, manifest: Manifest) -> IreeRunner:
+        return IreeRunner(folder, manifest)

@@ -1,0 +1,377 @@
+"""IREE toolchain for plain ONNX files: import to MLIR, compile to a .vmfb, run.
+
+The three steps are separate on purpose, with files between them::
+
+    import_onnx(model.onnx, model.mlir, params_path=model.irpa)   # torch-dialect MLIR text (+ weights)
+    # seam: a later pass may rewrite model.mlir in place (e.g. patch custom kernels into it)
+    compile_mlir(model.mlir, model.vmfb, target="llvm-cpu")
+    IreeModule(model.vmfb, params_path=model.irpa, driver=DRIVER_FOR_TARGET["llvm-cpu"])(x)
+
+Facts about the importer (iree-base-compiler 3.13) that callers rely on:
+
+- The entry function is named after ``graph.name`` (quoted in MLIR when it is not a bare identifier,
+  e.g. ``@"torch-jit.export 1"``); an empty graph name is rejected by the ONNX checker.
+- Its arguments are the graph inputs in ``graph.input`` order, excluding inputs that are also
+  initializers (those become constants); its results are ``graph.output`` in order.
+- An intermediate value with no inferable type (typically a custom-domain op output without
+  value_info) gets type ``!torch.none``; give such values a value_info. A graph output declared
+  without a type or a shape is rejected by the ONNX checker that the importer runs first.
+- Models with opset < 13 import but may not compile (``Unsqueeze`` with an ``axes`` attribute is not
+  lowered); importing with ``opset_version=17`` converts them first and fixes that.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import iree.runtime as rt
+import numpy as np
+from iree.compiler.tools.binaries import find_tool
+
+from rewrite.backends.errors import BackendError, IreeCompileError, IreeImportError, IreeRuntimeError
+
+__all__ = [
+    "BackendError",
+    "DRIVER_FOR_TARGET",
+    "PARAMS_SCOPE",
+    "ImportResult",
+    "IreeCompileError",
+    "IreeImportError",
+    "IreeModule",
+    "IreeRuntimeError",
+    "compile_mlir",
+    "entry_function_name",
+    "import_onnx",
+]
+
+PARAMS_SCOPE = "model"
+"""Scope of externalized parameters: the MLIR refers to ``#stream.parameter.named<"model"::NAME>``."""
+
+_TARGET_FLAGS: dict[str, tuple[str, ...]] = {
+    "llvm-cpu": (
+        "--iree-hal-target-device=local",
+        "--iree-hal-local-target-device-backends=llvm-cpu",
+        # The .vmfb is built and run on the same machine; a generic CPU target is slower and only
+        # trades the warning "defaulting to a generic CPU" for portability we do not need.
+        "--iree-llvmcpu-target-cpu=host",
+    ),
+    "cuda": ("--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80"),
+}
+
+DRIVER_FOR_TARGET: dict[str, str] = {"llvm-cpu": "local-task", "cuda": "cuda"}
+"""The runtime driver (for :class:`IreeModule`) that runs a module compiled for each target."""
+
+_MAX_MESSAGE_CHARS = 400
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What :func:`import_onnx` produced.
+
+    Attributes:
+        mlir_path: The torch-dialect MLIR text file.
+        params_path: The .irpa holding the externalized initializers (scope :data:`PARAMS_SCOPE`),
+            or None when externalization was not requested.
+        entry_function: Name of the public ``func.func`` (the ONNX graph name), unquoted; the same
+            name is the function to call in the compiled module.
+        stderr: The importer's stderr (warnings such as "node without a valid type proto").
+    """
+
+    mlir_path: Path
+    params_path: Path | None
+    entry_function: str
+    stderr: str
+
+
+def import_onnx(
+    onnx_path: Path,
+    mlir_path: Path,
+    *,
+    params_path: Path | None,
+    param_threshold_elements: int = 1024,
+    opset_version: int | None = None,
+) -> ImportResult:
+    """Import an ONNX model to torch-dialect MLIR with IREE's importer.
+
+    Args:
+        onnx_path: The model; external data is read from its directory.
+        mlir_path: Where to write the MLIR text (overwritten; parent directories are created).
+        params_path: When set, initializers with at least ``param_threshold_elements`` elements are
+            written to this .irpa file (overwritten) under scope :data:`PARAMS_SCOPE` and the MLIR
+            refers to them by name; smaller ones stay inline as constants. When None, every
+            initializer is inlined into the MLIR (the file is then as large as the weights).
+        param_threshold_elements: Minimum element count (not bytes) of an externalized initializer.
+        opset_version: Convert the model to this default-domain opset before importing. The
+            importer only converts upward: a value at or below the model's opset does nothing.
+
+    Returns:
+        An :class:`ImportResult`.
+
+    Raises:
+        IreeImportError: The importer failed (unreadable file, ONNX checker error, unsupported
+            tensor type, crash) or its output has not exactly one public function. The message is
+            one line naming ``onnx_path`` and the importer's key error line.
+    """
+    onnx_path, mlir_path = Path(onnx_path), Path(mlir_path)
+    mlir_path.parent.mkdir(parents=True, exist_ok=True)
+    # A failed run must not leave a previous run's output behind to be mistaken for this one.
+    mlir_path.unlink(missing_ok=True)
+    # A subprocess, not the importer's Python entry in-process: the entry point is an argparse CLI
+    # (`main(Namespace)`) rather than an API; a crash in the MLIR C++ bindings cannot take our
+    # process down; and the memory of a large model (proto + MLIR module) is returned on exit.
+    # The cost is about 0.5 s of interpreter and module start-up per import.
+    cmd = [sys.executable, "-m", "iree.compiler.tools.import_onnx", str(onnx_path), "-o", str(mlir_path)]
+    if params_path is not None:
+        params_path = Path(params_path)
+        params_path.parent.mkdir(parents=True, exist_ok=True)
+        params_path.unlink(missing_ok=True)
+        cmd += [
+            "--externalize-params",
+            "--num-elements-threshold", str(param_threshold_elements),
+            "--params-scope", PARAMS_SCOPE,
+            "--save-params-to", str(params_path),
+        ]
+    if opset_version is not None:
+        cmd += ["--opset-version", str(opset_version)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not mlir_path.exists():
+        raise IreeImportError(
+            f"IREE ONNX import of {onnx_path} failed: {_failure_summary(proc.returncode, proc.stderr)}"
+        )
+    try:
+        entry = entry_function_name(mlir_path.read_text())
+    except ValueError as e:
+        raise IreeImportError(f"IREE ONNX import of {onnx_path}: {e}") from None
+    return ImportResult(mlir_path, params_path, entry, proc.stderr)
+
+
+# `func.func @name(` or `func.func public @"quoted name"(`; private functions are skipped.
+_PUBLIC_FUNC_RE = re.compile(
+    r'^\s*func\.func\s+(?:public\s+)?@(?:"((?:[^"\\]|\\.)*)"|([\w$.\-]+))\s*\(', re.MULTILINE
+)
+
+
+def entry_function_name(mlir_text: str) -> str:
+    """Return the name (unquoted) of the only public ``func.func`` in MLIR text.
+
+    Usable on the importer's output and on MLIR patched after import, as long as added helper
+    functions are ``private``.
+
+    Raises:
+        ValueError: There is no public function, or more than one.
+    """
+    names = [quoted.replace('\\"', '"') if quoted is not None else bare
+             for quoted, bare in ((m.group(1), m.group(2)) for m in _PUBLIC_FUNC_RE.finditer(mlir_text))]
+    if len(names) != 1:
+        raise ValueError(f"expected exactly one public func.func, found {len(names)}: {names}")
+    return names[0]
+
+
+def compile_mlir(
+    mlir_path: Path,
+    vmfb_path: Path,
+    *,
+    target: str = "llvm-cpu",
+    extra_flags: Sequence[str] = (),
+) -> None:
+    """Compile MLIR (torch dialect from the importer, or anything iree-compile accepts) to a .vmfb.
+
+    Args:
+        mlir_path: The MLIR text file.
+        vmfb_path: Where to write the module (overwritten; parent directories are created).
+        target: ``"llvm-cpu"`` (this machine's CPU, ``--iree-llvmcpu-target-cpu=host``) or
+            ``"cuda"`` (``--iree-cuda-target=sm_80``; compiling needs no GPU). Run the result with
+            the driver ``DRIVER_FOR_TARGET[target]``.
+        extra_flags: More iree-compile flags. A ``--name=value`` flag whose name is one of the
+            target's defaults replaces that default (e.g. ``--iree-cuda-target=sm_90``): a repeated
+            flag is not last-wins in iree-compile (two ``--iree-cuda-target`` flags fail with
+            "missing GPU target").
+
+    The full compiler output, preceded by the command line, is written to ``compile.log`` next to
+    ``vmfb_path`` (overwritten by every compile into that directory).
+
+    Raises:
+        ValueError: ``target`` is unknown.
+        IreeCompileError: iree-compile failed; the one-line message names ``mlir_path``, the first
+            ``error:`` line and the log file.
+    """
+    if target not in _TARGET_FLAGS:
+        raise ValueError(f"unknown IREE target {target!r}; expected one of {sorted(_TARGET_FLAGS)}")
+    mlir_path, vmfb_path = Path(mlir_path), Path(vmfb_path)
+    vmfb_path.parent.mkdir(parents=True, exist_ok=True)
+    vmfb_path.unlink(missing_ok=True)
+    overridden = {flag.split("=", 1)[0] for flag in extra_flags}
+    flags = [f for f in _TARGET_FLAGS[target] if f.split("=", 1)[0] not in overridden] + list(extra_flags)
+    cmd = [_iree_compile_binary(), str(mlir_path), "-o", str(vmfb_path), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log_path = vmfb_path.parent / "compile.log"
+    log_path.write_text(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not vmfb_path.exists():
+        raise IreeCompileError(
+            f"iree-compile ({target}) of {mlir_path} failed: "
+            f"{_failure_summary(proc.returncode, proc.stderr)} [full log: {log_path}]"
+        )
+
+
+def _iree_compile_binary() -> str:
+    # The binary shipped inside the iree-base-compiler wheel: independent of PATH, and it skips the
+    # pyenv/console-script shim that `iree-compile` on PATH may be.
+    return find_tool("iree-compile")
+
+
+def _failure_summary(returncode: int, log: str) -> str:
+    """The key line of a failed tool's output: its first MLIR ``error:`` diagnostic, else the last
+    Python exception line (with an ONNX checker ``==> Context:`` line appended), else the last
+    non-empty line; or the signal that killed it. At most ``_MAX_MESSAGE_CHARS`` characters."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    lines = [line.rstrip() for line in log.splitlines() if line.strip()]
+    key = next((line.strip() for line in lines if re.search(r"(^|\s)error:", line)), None)
+    if key is None:
+        exc = [i for i, line in enumerate(lines) if _EXCEPTION_LINE_RE.match(line)]
+        if exc:
+            i = exc[-1]
+            key = _EXCEPTION_LINE_RE.sub(r"\1", lines[i])
+            if i + 1 < len(lines) and lines[i + 1].startswith("==> Context:"):
+                key += "; " + lines[i + 1].removeprefix("==> ")
+        elif lines:
+            key = lines[-1]
+        else:
+            key = f"exit status {returncode}, no output"
+    return key if len(key) <= _MAX_MESSAGE_CHARS else key[: _MAX_MESSAGE_CHARS - 3] + "..."
+
+
+# `pkg.mod.SomeError: message`, unindented, closing a Python traceback; group 1 drops the module path.
+_EXCEPTION_LINE_RE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit)(?::\s.*)?)$")
+
+
+class IreeModule:
+    """A compiled IREE module loaded for one driver, with state that persists across calls.
+
+    Args:
+        vmfb_path: The compiled module.
+        params_path: The .irpa written by :func:`import_onnx`, required when the module was imported
+            with externalized parameters (scope :data:`PARAMS_SCOPE`). The file is memory-mapped.
+        driver: ``"local-task"`` for ``llvm-cpu`` modules, ``"cuda"`` for ``cuda`` modules (see
+            :data:`DRIVER_FOR_TARGET`). The device is shared by all modules of a process.
+
+    One VM context is kept for the object's life, so ``util.global`` state (e.g. a KV cache) carries
+    from one call to the next; :meth:`reset` starts a fresh context with initial state.
+
+    Raises:
+        IreeRuntimeError: The driver has no device, or the module or parameter file cannot be loaded.
+    """
+
+    def __init__(self, vmfb_path: Path, *, params_path: Path | None = None, driver: str = "local-task"):
+        self.vmfb_path = Path(vmfb_path)
+        self.params_path = None if params_path is None else Path(params_path)
+        self.driver = driver
+        try:
+            self._device = rt.get_device(driver)  # cached per process: a device can serve many contexts
+            self._instance = rt.VmInstance()
+            self._main = rt.VmModule.mmap(self._instance, str(self.vmfb_path))
+            modules = []
+            if self.params_path is not None:
+                index = rt.ParameterIndex()
+                index.load(str(self.params_path))
+                provider = index.create_provider(scope=PARAMS_SCOPE)
+                modules.append(rt.create_io_parameters_module(self._instance, provider))
+            modules += [rt.create_hal_module(self._instance, self._device), self._main]
+        except (RuntimeError, ValueError, OSError) as e:
+            raise IreeRuntimeError(
+                f"cannot load {self.vmfb_path} (params {self.params_path}, driver {driver}): {_first_line(e)}"
+            ) from None
+        self._modules = modules  # dependencies before the module that imports them
+        # `__init` runs once per context; `NAME$async` is the fence-taking twin of `NAME`.
+        self.function_names: tuple[str, ...] = tuple(
+            n for n in self._main.function_names if not n.startswith("__") and "$" not in n
+        )
+        """The callable functions (for an imported ONNX model: its graph name)."""
+        self.reset()
+
+    def reset(self) -> None:
+        """Discard all module state: the next call sees ``util.global`` values at their initial values."""
+        try:
+            self._context = rt.VmContext(self._instance, modules=self._modules)
+        except (RuntimeError, ValueError) as e:  # e.g. parameters needed but no params_path given
+            raise IreeRuntimeError(
+                f"cannot start {self.vmfb_path} (params {self.params_path}): {_first_line(e)}"
+            ) from None
+        self._invokers: dict[str, rt.FunctionInvoker] = {}  # invokers are bound to one context
+
+    def __call__(self, *inputs: np.ndarray | int | float, function: str | None = None) -> list[np.ndarray]:
+        """Run a function and return its results as host numpy arrays.
+
+        Args:
+            inputs: One value per function argument, in argument order (for an imported ONNX
+                model: ``graph.input`` order without initializers, all tensors).
+
+                - Tensor arguments take an ``np.ndarray`` whose dtype equals the declared element
+                  type exactly; nothing is cast (float64 into an f32 argument fails). ``bool`` and
+                  ``int8`` are interchangeable (IREE stores i1 as a byte). Any memory layout is
+                  accepted, and zero-size dimensions (e.g. an empty KV past ``[1, 4, 0, 32]``)
+                  work. A numpy scalar (``np.float32(1)``) is taken as a 0-d array.
+                - Scalar arguments (``i64``/``f32`` rather than ``tensor<...>``; hand-written MLIR
+                  only, the importer never emits them) take a Python ``int`` or ``float``: the
+                  runtime refuses numpy scalars and 0-d arrays there.
+            function: Which of :attr:`function_names` to call; may be omitted when there is only one.
+
+        Returns:
+            A list with one array per result (a one-element list for a single result), each a copy
+            owned by the caller, so later calls that update module state cannot change it.
+
+        Raises:
+            TypeError: An input is neither a numpy array, a numpy scalar, nor a Python int/float.
+            ValueError: ``function`` is missing and ambiguous, or unknown.
+            IreeRuntimeError: The runtime rejected the call (wrong arity, dtype or static shape) or
+                the function failed; the message is one line.
+        """
+        name = self._resolve_function(function)
+        args = []
+        for i, x in enumerate(inputs):
+            if isinstance(x, np.generic):
+                x = np.asarray(x)
+            # bool is an int subclass but would silently become an i64 scalar: refuse it.
+            if not isinstance(x, (np.ndarray, int, float)) or isinstance(x, bool):
+                raise TypeError(f"input {i} of {name} is a {type(x).__name__}; pass a numpy array with an explicit dtype")
+            args.append(x)
+        invoker = self._invokers.get(name)
+        if invoker is None:
+            invoker = self._invokers[name] = rt.FunctionInvoker(
+                self._context, self._device, self._main.lookup_function(name)
+            )
+        try:
+            results = invoker(*args)
+        except (RuntimeError, ValueError) as e:
+            signature = ", ".join(f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else repr(a) for a in args)
+            raise IreeRuntimeError(f"{self.vmfb_path}: {name}({signature}) failed: {_first_line(e)}") from None
+        # Without ABI reflection (the importer emits none) the invoker returns None, one array, or a tuple.
+        if results is None:
+            results = ()
+        elif not isinstance(results, tuple):
+            results = (results,)
+        return [np.array(r.to_host(), copy=True) for r in results]
+
+    def _resolve_function(self, function: str | None) -> str:
+        if function is None:
+            if len(self.function_names) != 1:
+                raise ValueError(f"{self.vmfb_path} has functions {list(self.function_names)}; pass function=")
+            return self.function_names[0]
+        if function not in self.function_names:
+            raise ValueError(f"{self.vmfb_path} has no function {function!r}; it has {list(self.function_names)}")
+        return function
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= _MAX_MESSAGE_CHARS else line[: _MAX_MESSAGE_CHARS - 3] + "..."

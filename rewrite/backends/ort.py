@@ -1,0 +1,67 @@
+"""The ``ort`` backend: the rewritten graph as an ONNX file run by ONNX Runtime.
+
+Abstract ops that plugins create are lowered by their plugin's ORT lowering (contrib ops such as
+com.microsoft QMoE) before the file is written; everything else is standard ONNX.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from rewrite.backends.base import Manifest, check_feeds
+from rewrite.core import onnx_io
+from rewrite.core.feeds import specs_of
+from rewrite.core.ir import Graph
+from rewrite.errors import BackendError
+
+
+def ort_session(model_path: str | Path, *, threads: int = 0, optimize: bool = True) -> ort.InferenceSession:
+    """A CPU InferenceSession; raises BackendError with ORT's first message line on failure."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        return ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise BackendError(f"{model_path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}") from e
+
+
+class OrtRunner:
+    """Runs an ONNX file on the ONNX Runtime CPU execution provider."""
+
+    def __init__(self, model_path: Path, *, threads: int = 0):
+        self.path = model_path
+        self.session = ort_session(model_path, threads=threads)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        args = check_feeds(self.input_names, feeds, str(self.path))
+        names = outputs or self.output_names
+        try:
+            res = self.session.run(names, dict(zip(self.input_names, args)))
+        except Exception as e:
+            raise BackendError(f"{self.path}: ONNX Runtime failed: {str(e).splitlines()[0][:300]}") from e
+        return dict(zip(names, res))
+
+
+class OrtBackend:
+    name = "ort"
+    targets = ("cpu",)
+
+    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
+        path = folder / manifest.model
+        onnx_io.save(graph, path)
+        model = onnx_io.to_model(graph)
+        manifest.inputs = [s.to_json() for s in specs_of(model.graph.input) if s.name not in graph.initializers]
+        manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
+        ort_session(path)  # fail at apply time, not at run time, if ORT cannot load the result
+
+    def load(self, folder: Path, manifest: Manifest) -> OrtRunner:
+        return OrtRunner(folder / manifest.model)

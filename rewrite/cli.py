@@ -1,0 +1,153 @@
+"""The ``rewrite`` command line.
+
+Exit status: 0 success; 1 a verification found outputs beyond tolerance; 2 bad input or a failure, with a
+one-line ``error:`` message naming the file, node or value (nothing written).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from rewrite.errors import RewriteError
+
+import shutil
+
+# tables are read in logs and CI output as often as in terminals: never narrower than 140 columns
+console = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 140), highlight=False)
+
+
+def _parse_dims(dims: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    for d in dims:
+        k, sep, v = d.partition("=")
+        if not sep or not v.strip().lstrip("-").isdigit():
+            raise click.BadParameter(f"'{d}': expected NAME=INT, e.g. seq_len=1", param_hint="--dim")
+        out[k.strip()] = int(v)
+    return out
+
+
+def _load_feeds(path: str | None) -> dict[str, np.ndarray] | None:
+    if path is None:
+        return None
+    try:
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise RewriteError(f"{path}: cannot read inputs ({e}); expected an .npz of arrays named after the model inputs") from e
+
+
+@click.group()
+@click.version_option(package_name="rewrite")
+def cli() -> None:
+    """Rewrite ONNX models with pattern plugins and lower them to ONNX Runtime or IREE."""
+
+
+@cli.command("plugins")
+def plugins_cmd() -> None:
+    """List the registered plugins (built-in and from the 'rewrite.plugins' entry point)."""
+    from rewrite.plugins.manager import available_plugins
+
+    t = Table("plugin", "short", "rules", "backends", "kernel objects", "description")
+    for p in available_plugins().values():
+        t.add_row(p.name, p.short, ", ".join(r.name for r in p.rules) or "-", ", ".join(p.backends), ", ".join(k.path for k in p.kernels) or "-", p.description)
+    console.print(t)
+
+
+def _print_report(report: list[dict]) -> None:
+    t = Table("plugin", "rule", "matches", "removed", "added", "refusals")
+    for pr in report:
+        for r in pr["rules"]:
+            ref = "; ".join(f"{x['count']}x {x['reason']}" for x in r["refusals"][:3])
+            t.add_row(pr["plugin"], r["rule"], str(r["matches"]), str(r["nodes_removed"]), str(r["nodes_added"]), ref or "-")
+        for note in pr["notes"]:
+            t.add_row(pr["plugin"], "(note)", "", "", "", note)
+    console.print(t)
+
+
+@cli.command("apply")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--plugins", "plugin_names", default="", help="Comma-separated short names, applied in order (see 'rewrite plugins').")
+@click.option("--backend", type=click.Choice(["ort", "iree"]), default="ort", show_default=True)
+@click.option("--target", default=None, help="ort: cpu; iree: llvm-cpu (default) or cuda.")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output folder (replaced).")
+@click.option("--dim", "dims", multiple=True, help="Fix a symbolic dim, NAME=INT (repeatable).")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write the plugin report as JSON.")
+def apply_cmd(model, plugin_names, backend, target, out_dir, dims, report_path) -> None:
+    """Rewrite MODEL with --plugins and lower it for --backend into OUT."""
+    from rewrite.pipeline import apply
+
+    m = apply(model, out_dir, plugins=plugin_names, backend=backend, target=target, dims=_parse_dims(dims))
+    _print_report(m.report)
+    if report_path:
+        Path(report_path).write_text(json.dumps(m.report, indent=1) + "\n")
+    click.echo(f"wrote {out_dir} ({m.backend}/{m.target}): {', '.join(sorted(m.files.values()) or [m.model])}")
+
+
+@cli.command("run")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False), help=".npz of inputs by name (default: generated).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--save", "save_path", type=click.Path(dir_okay=False), help="Write the outputs to this .npz.")
+def run_cmd(folder, inputs_path, seed, save_path) -> None:
+    """Run a lowered output FOLDER on its runtime and summarize the outputs."""
+    from rewrite.backends import load_runner
+    from rewrite.verify import default_feeds
+
+    runner = load_runner(folder)
+    feeds = _load_feeds(inputs_path) or default_feeds(Path(folder), seed=seed)
+    outs = runner.run(feeds)
+    for k, v in outs.items():
+        stats = f"min={v.min():.4g} max={v.max():.4g}" if v.size and np.issubdtype(v.dtype, np.number) else ""
+        click.echo(f"{k:<40} {str(v.dtype):<8} {str(list(v.shape)):<20} {stats}")
+    if save_path:
+        np.savez(save_path, **outs)
+
+
+@cli.command("verify")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False), help=".npz of inputs by name (default: generated).")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance for float outputs (default by dtype: f32 1e-4, f16 1e-2).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--locate", is_flag=True, help="Expose intermediate values and name the first node that differs.")
+def verify_cmd(model, folder, inputs_path, rtol, seed, locate) -> None:
+    """Compare FOLDER's lowered model with MODEL on ONNX Runtime CPU (exit 1 when beyond tolerance)."""
+    from rewrite import verify as v
+
+    feeds = _load_feeds(inputs_path)
+    res = v.verify(model, folder, feeds=feeds, rtol=rtol, seed=seed)
+    for c in res:
+        click.echo(c.line())
+    ok = all(c.ok for c in res)
+    click.echo("verify: PASS" if ok else "verify: FAIL")
+    if locate:
+        loc = v.locate(model, folder, feeds=feeds, rtol=rtol, seed=seed)
+        click.echo(loc.line() if loc else "locate: every exposed intermediate value agrees with ONNX Runtime")
+    sys.exit(0 if ok else 1)
+
+
+def main() -> None:
+    """Console-script entry point: turns RewriteError into ``error: ...`` and exit status 2."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except RewriteError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except SystemExit:
+        raise
+
+
+if __name__ == "__main__":
+    main()

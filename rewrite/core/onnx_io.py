@@ -1,0 +1,337 @@
+"""Loading ONNX files into the graph IR and writing them back, losslessly.
+
+* :func:`load` reads only the protobuf: external data (models over 2 GB) stays on disk and is read one
+  tensor at a time when a rule asks for a constant, or stream-copied by :func:`save`.
+* :func:`save` writes nodes in their original order (new nodes where the node they replace stood), and
+  every field the IR does not model (metadata, functions, training info, value_info, node doc strings)
+  as it was read. ``save(load(m)) == m`` for any model ONNX can parse (tested on onnx's node test suite).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from rewrite.core.ir import SINK, SOURCE, Graph, Value
+from rewrite.errors import ModelLoadError, RewriteError
+
+#: Initializers at least this many bytes go to the external data file when a model must use one.
+EXTERNAL_MIN_BYTES = 1024
+_PROTOBUF_LIMIT = 2**31 - 1
+
+
+def _type_of(vi: onnx.ValueInfoProto) -> tuple[int | None, tuple | None, onnx.TypeProto | None]:
+    t = vi.type
+    if t.HasField("tensor_type"):
+        tt = t.tensor_type
+        shape = None
+        if tt.HasField("shape"):
+            shape = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param if d.HasField("dim_param") else None)
+                for d in tt.shape.dim
+            )
+        return (tt.elem_type or None), shape, None
+    if t.WhichOneof("value") is None:
+        return None, None, None
+    return None, None, t
+
+
+def _model_shell(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Copy of every ModelProto field except the graph (the graph can be gigabytes)."""
+    shell = onnx.ModelProto()
+    for fd, val in model.ListFields():
+        if fd.name == "graph":
+            continue
+        repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED
+        if repeated:
+            getattr(shell, fd.name).extend(val)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(shell, fd.name).CopyFrom(val)
+        else:
+            setattr(shell, fd.name, val)
+    return shell
+
+
+def _check_external_data(model: onnx.ModelProto, base_dir: str, where: str) -> None:
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        path = os.path.join(base_dir, loc)
+        if not loc or not os.path.isfile(path):
+            raise ModelLoadError(f"{where}: initializer '{t.name}' needs external data file '{loc}', not found in {base_dir or '.'}")
+        need = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if os.path.getsize(path) < need:
+            raise ModelLoadError(
+                f"{where}: external data file '{loc}' is {os.path.getsize(path)} bytes, initializer '{t.name}' needs {need}"
+            )
+
+
+def read_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Parse an ONNX file without loading its external data.
+
+    Raises:
+        ModelLoadError: the file is missing, is not ONNX protobuf, is truncated, or has no graph.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeWarning, ValueError) as e:
+        raise ModelLoadError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'parse failed'})") from e
+    if not model.HasField("graph") or (len(model.graph.node) == 0 and len(model.graph.output) == 0):
+        raise ModelLoadError(f"{path}: not an ONNX model (no graph found; truncated or another file type?)")
+    return model
+
+
+def load(source: str | os.PathLike | onnx.ModelProto, *, base_dir: str | None = None) -> Graph:
+    """Build a :class:`Graph` from an ONNX file or ModelProto.
+
+    Args:
+        source: path of a ``.onnx`` file, or a ModelProto already in memory.
+        base_dir: directory for external data locations (default: the file's directory).
+
+    Raises:
+        ModelLoadError: unreadable, truncated or inconsistent file; missing external data.
+    """
+    if isinstance(source, onnx.ModelProto):
+        model, where = source, "<model>"
+        base_dir = base_dir or ""
+    else:
+        model, where = read_model(source), str(source)
+        base_dir = base_dir if base_dir is not None else str(Path(source).parent)
+    _check_external_data(model, base_dir, where)
+    try:
+        return _from_model(model, base_dir)
+    except RewriteError as e:
+        raise ModelLoadError(f"{where}: {e}") from e
+
+
+def _from_model(model: onnx.ModelProto, base_dir: str) -> Graph:
+    g = Graph()
+    gp = model.graph
+    g.model_shell = _model_shell(model)
+    g.name, g.doc_string = gp.name, gp.doc_string
+    g.passthrough.sparse_initializer.extend(gp.sparse_initializer)
+    g.passthrough.quantization_annotation.extend(gp.quantization_annotation)
+    g.passthrough.metadata_props.extend(gp.metadata_props)
+    for f in ("name", "doc_string"):  # proto2 presence: remember an explicitly empty name/doc_string
+        if gp.HasField(f):
+            setattr(g.passthrough, f, getattr(gp, f))
+    for t in gp.initializer:
+        if t.name in g.values:
+            raise RewriteError(f"initializer '{t.name}' is defined twice")
+        g.values[t.name] = Value(name=t.name, dtype=t.data_type or None, shape=tuple(t.dims), initializer=t, base_dir=base_dir)
+        g.producer[t.name] = (SOURCE, 0)
+        g.initializers.append(t.name)
+    for sp in gp.sparse_initializer:  # kept verbatim; registered so readers resolve
+        name = sp.values.name
+        g.values.setdefault(name, Value(name=name, dtype=sp.values.data_type, shape=tuple(sp.dims)))
+        g.producer.setdefault(name, (SOURCE, 0))
+    for vi in gp.input:
+        dt, shape, other = _type_of(vi)
+        if vi.name in g.values:  # an input with an initializer as its default (IR < 4 style)
+            v = g.values[vi.name]
+            v.info = vi
+        else:
+            g.values[vi.name] = Value(name=vi.name, dtype=dt, shape=shape, info=vi, non_tensor_type=other)
+            g.producer[vi.name] = (SOURCE, 0)
+        g.inputs.append(vi.name)
+    for k, np_ in enumerate(gp.node):
+        extra = onnx.NodeProto()
+        extra.CopyFrom(np_)
+        for f in ("input", "output", "attribute", "name", "op_type", "domain"):
+            extra.ClearField(f)
+        for f in ("name", "domain"):  # proto2 presence: an explicit empty name/domain is written back as read
+            if np_.HasField(f) and not getattr(np_, f):
+                setattr(extra, f, "")
+        g.add_node(
+            np_.op_type,
+            list(np_.input),
+            list(np_.output),
+            domain=np_.domain,
+            name=np_.name,
+            attrs=list(np_.attribute),
+            extra=extra,
+            order=float(k),
+        )
+    for vi in gp.value_info:
+        v = g.values.get(vi.name)
+        if v is not None and g.producer.get(vi.name, (None,))[0] == SOURCE:
+            # value_info of a graph input or initializer: kept verbatim (the value's type is its declaration's)
+            g.passthrough.value_info.append(vi)
+            g.value_info_order.append(vi.name)
+            continue
+        if v is None:  # value_info for a name nothing produces: keep it verbatim
+            v = Value(name=vi.name)
+            g.values[vi.name] = v
+        dt, shape, other = _type_of(vi)
+        v.dtype, v.shape, v.non_tensor_type, v.info = dt, shape, other, vi
+        g.value_info_order.append(vi.name)
+    for k, vi in enumerate(gp.output):
+        if vi.name not in g.producer:
+            raise RewriteError(f"graph output '{vi.name}' is never produced")
+        v = g.values[vi.name]
+        if vi.name not in g.value_info_order and vi.name not in g.inputs and v.initializer is None:
+            dt, shape, other = _type_of(vi)
+            v.dtype, v.shape, v.non_tensor_type, v.info = dt, shape, other, vi
+        g.output_infos[vi.name] = vi
+        g.outputs.append(vi.name)
+        g._connect(vi.name, SINK, k)
+    return g
+
+
+def _type_as_loaded(v: Value, out_vi: onnx.ValueInfoProto) -> bool:
+    """Whether ``v`` still has the type it had when loaded, so the graph output's ValueInfoProto as read fits.
+
+    The output's own declaration may be less precise than the value_info or input declaration the value took
+    its type from; :meth:`Value.set_type` drops ``v.info`` when a rule changes the type.
+    """
+    cur = (v.dtype, v.shape)
+    if _type_of(out_vi)[:2] == cur:
+        return True
+    if v.info is not None:
+        return _type_of(v.info)[:2] == cur
+    t = v.initializer
+    return t is not None and ((t.data_type or None), tuple(t.dims)) == cur
+
+
+def to_model(g: Graph) -> onnx.ModelProto:
+    """Write the graph back to a ModelProto (initializer protos are shared, not copied)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(g.model_shell)
+    gp = model.graph
+    if g.name or g.passthrough.HasField("name"):
+        gp.name = g.name
+    if g.doc_string or g.passthrough.HasField("doc_string"):
+        gp.doc_string = g.doc_string
+    written: set[str] = set()
+    for name in g.inputs:
+        vi = g.values[name].to_value_info() or onnx.ValueInfoProto(name=name)
+        gp.input.append(vi)
+    for name in g.initializers:
+        gp.initializer.append(g.values[name].initializer)
+    gp.sparse_initializer.extend(g.passthrough.sparse_initializer)
+    for n in g.topo_nodes():
+        np_ = gp.node.add()
+        np_.CopyFrom(n.extra)
+        np_.input.extend(n.inputs)
+        np_.output.extend(n.outputs)
+        if n.name:
+            np_.name = n.name
+        np_.op_type = n.op_type
+        if n.domain:
+            np_.domain = n.domain
+        np_.attribute.extend(n.attrs.values())
+        written.update(o for o in n.outputs if o)
+    for name in g.outputs:
+        v = g.values[name]
+        vi = g.output_infos.get(name)
+        if vi is None or vi.name != name or not _type_as_loaded(v, vi):
+            vi = v.to_value_info() or onnx.ValueInfoProto(name=name)
+        gp.output.append(vi)
+    seen = set(g.value_info_order)
+    source_vis: dict[str, list[onnx.ValueInfoProto]] = {}
+    for vi in g.passthrough.value_info:
+        source_vis.setdefault(vi.name, []).append(vi)
+    for name in g.value_info_order:
+        v = g.values.get(name)
+        if v is not None and g.producer.get(name, (None,))[0] == SOURCE:
+            if source_vis.get(name):
+                gp.value_info.append(source_vis[name].pop(0))
+        elif v is not None and (name in written or name not in g.producer):
+            vi = v.to_value_info()
+            if vi is not None:
+                gp.value_info.append(vi)
+    # types learned by inference or set by rules, for values the source had no value_info for
+    outs = set(g.outputs)
+    for name in sorted(written - seen - outs, key=lambda x: g.nodes[g.producer[x][0]].order):
+        vi = g.values[name].to_value_info()
+        if vi is not None and g.values[name].info is None:
+            gp.value_info.append(vi)
+    gp.quantization_annotation.extend(g.passthrough.quantization_annotation)
+    gp.metadata_props.extend(g.passthrough.metadata_props)
+    return model
+
+
+def _tensor_nbytes(t: onnx.TensorProto) -> int:
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        return int({e.key: e.value for e in t.external_data}.get("length", 0))
+    return t.ByteSize()
+
+
+def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None) -> Path:
+    """Write the graph to ``path``.
+
+    Initializers whose data is in an external file of the source are stream-copied (64 MiB at a time) into
+    ``<name>.data`` beside ``path``, never loaded whole. ``external=None`` uses an external data file when the
+    source had one or the model would pass protobuf's 2 GB limit; True/False force it.
+
+    Returns the path written. Raises RewriteError when the target directory cannot be written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = to_model(g)
+    inits = model.graph.initializer
+    has_ext = any(t.data_location == onnx.TensorProto.EXTERNAL for t in inits)
+    total = sum(_tensor_nbytes(t) for t in inits)
+    use_ext = external if external is not None else (has_ext or total > _PROTOBUF_LIMIT // 2)
+    if not use_ext:
+        if has_ext:  # forced inline: read the external tensors
+            for k, t in enumerate(inits):
+                if t.data_location == onnx.TensorProto.EXTERNAL:
+                    inits[k].CopyFrom(onnx.numpy_helper.from_array(g.values[t.name].const(), t.name))
+        onnx.save(model, str(path))
+        return path
+    data_name = path.name + ".data"
+    fd, tmp_data = tempfile.mkstemp(dir=path.parent, prefix=".rewrite-", suffix=".data")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for t in inits:
+                src = g.values[t.name]
+                if t.data_location == onnx.TensorProto.EXTERNAL:
+                    info = {e.key: e.value for e in t.external_data}
+                    off, length = int(info.get("offset", 0)), int(info.get("length", 0))
+                    with open(os.path.join(src.base_dir, info["location"]), "rb") as f:
+                        f.seek(off)
+                        start = out.tell()
+                        left = length
+                        while left > 0:
+                            chunk = f.read(min(left, 64 << 20))
+                            if not chunk:
+                                raise RewriteError(f"external data of '{t.name}' ends early in {info['location']}")
+                            out.write(chunk)
+                            left -= len(chunk)
+                    t_new = onnx.TensorProto()
+                    t_new.CopyFrom(t)
+                elif t.ByteSize() >= EXTERNAL_MIN_BYTES and t.HasField("raw_data"):
+                    start = out.tell()
+                    out.write(t.raw_data)
+                    length = len(t.raw_data)
+                    t_new = onnx.TensorProto()
+                    t_new.CopyFrom(t)
+                    t_new.ClearField("raw_data")
+                else:
+                    continue
+                # (onnx's set_external_data refuses tensors without raw_data, which these no longer have)
+                del t_new.external_data[:]
+                for key, val in (("location", data_name), ("offset", str(start)), ("length", str(length))):
+                    entry = t_new.external_data.add()
+                    entry.key, entry.value = key, val
+                t_new.data_location = onnx.TensorProto.EXTERNAL
+                t.CopyFrom(t_new)
+                pad = (-out.tell()) % 64  # keep tensors 64-byte aligned for mmap users
+                out.write(b"\0" * pad)
+        onnx.save(model, str(path))
+        shutil.move(tmp_data, path.parent / data_name)
+    finally:
+        if os.path.exists(tmp_data):
+            os.unlink(tmp_data)
+    return path

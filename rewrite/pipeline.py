@@ -1,0 +1,115 @@
+"""``rewrite apply`` as a library call: load, check, refine shapes, run plugins, lower, write the folder.
+
+Nothing is written unless every step succeeds: the folder is built in a temporary sibling directory and
+moved into place at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rewrite.backends import get_backend
+from rewrite.backends.base import Manifest
+from rewrite.core import onnx_io
+from rewrite.core.driver import PluginReport, run_plugin
+from rewrite.core.ir import Graph
+from rewrite.core.shapes import infer_shapes
+from rewrite.errors import RewriteError, UnsupportedModelError
+from rewrite.plugins.base import Plugin
+from rewrite.plugins.manager import select_plugins
+
+#: Domains whose ops ONNX Runtime or the ONNX spec define; others must be model-local functions.
+KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "ai.onnx.preview", "com.microsoft", "com.microsoft.nchwc", "org.pytorch.aten", "com.ms.internal.nhwc"})
+
+
+@dataclass
+class RewriteContext:
+    """Options shared by the plugins of one run (backend they lower for, user dims, plugin options)."""
+
+    backend: str = "ort"
+    target: str = "cpu"
+    dims: dict[str, int] = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+
+
+def check_model(graph: Graph, plugins: list[Plugin], where: str) -> None:
+    """Refuse models the plugins cannot handle.
+
+    Raises:
+        UnsupportedModelError: a node in an unknown domain (naming node and domain), or a default-domain
+            opset outside a selected plugin's declared range.
+    """
+    local = {(f.domain, f.name) for f in graph.model_shell.functions}
+    for n in graph.topo_nodes():
+        if n.domain not in KNOWN_DOMAINS and (n.domain, n.op_type) not in local:
+            raise UnsupportedModelError(f"{where}: node {n.describe()} is in unknown domain '{n.domain}' (no ONNX, ONNX Runtime or model-local definition)")
+    opset = graph.opset("")
+    if opset is None:
+        raise UnsupportedModelError(f"{where}: no default-domain opset import")
+    for p in plugins:
+        lo, hi = p.opset_range
+        if not lo <= opset <= hi:
+            raise UnsupportedModelError(f"{where}: opset {opset} is outside plugin '{p.short}' range {lo}..{hi}")
+
+
+def rewrite_graph(graph: Graph, plugins: list[Plugin], ctx: RewriteContext, *, dry_run: bool = False) -> list[PluginReport]:
+    """Refine shapes, then run each plugin all-or-nothing, in order; returns their reports."""
+    infer_shapes(graph, ctx.dims)
+    reports = []
+    for p in plugins:
+        reports.append(run_plugin(graph, p, ctx, dry_run=dry_run))
+        if not dry_run:
+            graph.remove_unused_initializers()
+    return reports
+
+
+def apply(
+    model_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    plugins: list[str] | str = (),
+    backend: str = "ort",
+    target: str | None = None,
+    dims: dict[str, int] | None = None,
+    options: dict | None = None,
+) -> Manifest:
+    """Rewrite ``model_path`` with ``plugins`` and lower it for ``backend`` into ``out_dir``.
+
+    Returns the written manifest. Raises RewriteError (with a one-line message) on bad input, a failing
+    plugin or a failing backend; ``out_dir`` is then left as it was.
+    """
+    be = get_backend(backend)
+    target = target or be.targets[0]
+    if target not in be.targets:
+        raise RewriteError(f"backend '{backend}' has no target '{target}'; targets: {', '.join(be.targets)}")
+    selected = select_plugins(list(plugins) if not isinstance(plugins, str) else plugins)
+    graph = onnx_io.load(model_path)
+    check_model(graph, selected, str(model_path))
+    ctx = RewriteContext(backend=backend, target=target, dims=dict(dims or {}), options=dict(options or {}))
+    reports = rewrite_graph(graph, selected, ctx)
+    infer_shapes(graph)  # types for the values the plugins created, which the IREE importer needs
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        manifest = Manifest(
+            backend=backend,
+            target=target,
+            source_model=str(Path(model_path).resolve()),
+            plugins=[p.short for p in selected],
+            dims=ctx.dims,
+            report=[r.to_json() for r in reports],
+        )
+        be.lower(graph, tmp, manifest, options=ctx.options)
+        manifest.write(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return manifest

@@ -1,0 +1,58 @@
+"""The plugin object: what the plugin manager registers and ``rewrite apply --plugins`` selects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Sequence
+
+from rewrite.core.driver import PluginReport, apply_rules
+from rewrite.core.ir import Graph
+from rewrite.core.rules import Rule
+
+if TYPE_CHECKING:
+    from rewrite.pipeline import RewriteContext
+
+
+@dataclass(frozen=True)
+class KernelObject:
+    """A compiled kernel a plugin ships for one backend target (path relative to ``plugin_kernels/``)."""
+
+    name: str
+    backend: str
+    target: str
+    path: str
+
+
+class Plugin:
+    """Base class of rewrite plugins.
+
+    Subclasses set the class attributes and usually only ``rules``; override :meth:`run` for passes that are
+    not pattern rewrites.
+
+    Attributes:
+        name: descriptive name (``cast-roundtrip``).
+        short: the name used with ``--plugins`` (``cast``).
+        description: one line for ``rewrite plugins``.
+        rules: the plugin's rules, in registration order.
+        backends: backends the rewritten graph can be lowered to.
+        opset_range: (min, max) default-domain opset the rules were written for; outside it ``apply`` refuses.
+        kernels: kernel objects the plugin ships.
+    """
+
+    name: ClassVar[str] = ""
+    short: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    backends: ClassVar[tuple[str, ...]] = ("ort", "iree")
+    opset_range: ClassVar[tuple[int, int]] = (7, 28)
+    kernels: ClassVar[Sequence[KernelObject]] = ()
+
+    @property
+    def rules(self) -> list[Rule]:
+        return []
+
+    def run(self, graph: Graph, report: PluginReport, ctx: "RewriteContext | None" = None, *, dry_run: bool = False) -> None:
+        """Rewrite ``graph`` in place, recording what happened in ``report``. Default: apply :attr:`rules`."""
+        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run)
+
+    def __repr__(self) -> str:
+        return f"<plugin {self.short} ({self.name})>"

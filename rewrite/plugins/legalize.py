@@ -1,0 +1,183 @@
+"""``legalize``: put a model in the form IREE's ONNX importer (torch-mlir) lowers.
+
+What it rewrites, each measured against iree-base-compiler 3.13 on the example models:
+
+* **DequantizeLinear with ``block_size``** (opset 21; seed 000 item A1, llvm/torch-mlir#4505): the importer
+  has no blocked form. Decomposed into ``(Cast(x) - expand(Cast(zero_point))) * expand(scale)``, where
+  ``expand`` repeats each block's parameter ``block_size`` times along ``axis`` (Unsqueeze, Tile, Reshape)
+  and drops the padding of a partial last block with a Slice. ONNX spec, DequantizeLinear-21:
+  ``y = (x - x_zero_point) * x_scale`` with ``x_scale`` indexed by ``i // block_size`` along ``axis``.
+* **4-bit initializers** (INT4/UINT4): the importer cannot read them at all ("Unhandled ONNX TensorProto
+  data"). Re-encoded as INT8/UINT8 holding the same values; the types of values computed from them
+  (Gather, Reshape, ...) are cleared for shape inference to redo.
+* **Casts to a 4-bit type of values that provably fit it** (the seed form stores expert codes as uint8,
+  Gathers them, then Casts to UINT4 because Gather does not take 4-bit data): ``Cast(Cast(x, to=UINT4), to=T)``
+  becomes ``Cast(x, to=T)`` when every element of ``x`` is proven to lie in the 4-bit range (it comes from
+  initializers through data-movement ops only), so no 4-bit value reaches the importer.
+* **Reduce ops with axes as an input** (opset 18; seed item A2, llvm/torch-mlir#4506): importer 3.13
+  lowers constant axes (initializer, Constant node, or a constant-foldable chain) for all ten Reduce ops,
+  so nothing is rewritten; axes known only at run time cannot be lowered (iree-compile fails on
+  ``torch.aten.sum.dim_IntList``) and are reported in the plugin notes, not touched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from rewrite.core.analysis import value_range
+from rewrite.core.ir import Graph, dtype_name
+from rewrite.core.pattern import AttrVar, Var
+from rewrite.core.rules import rule
+from rewrite.plugins.base import Plugin
+
+REDUCE_OPS = (
+    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd",
+    "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
+)
+_WIDEN_4BIT = {TensorProto.INT4: (TensorProto.INT8, np.int8), TensorProto.UINT4: (TensorProto.UINT8, np.uint8)}
+
+
+@rule("dequantize-block")
+def dequantize_block(op, x, scale, zero_point=Var("zero_point", optional=True)):
+    """DequantizeLinear(x, scale, zero_point, block_size>0) -> Cast/Sub/Mul with scales repeated per block."""
+    return op.DequantizeLinear(x, scale, zero_point, block_size=AttrVar("block_size"), _name="dq")
+
+
+@dequantize_block.check
+def _(m):
+    dq = m.node("dq")
+    bs = m.attr("block_size")
+    if bs <= 0:
+        return m.fail("block_size is 0 (per-tensor or per-axis DequantizeLinear lowers as is)", dq)
+    sv = m.value("scale")
+    xv = m.value("x")
+    rank = xv.rank if xv.rank is not None else sv.rank
+    if rank is None:
+        return m.fail(f"rank of '{m['x']}' is unknown (run shape inference)", dq)
+    if sv.dtype is None:
+        return m.fail(f"element type of scale '{m['scale']}' is unknown", dq)
+    axis = dq.attr("axis", 1)
+    axis = axis + rank if axis < 0 else axis
+    if not 0 <= axis < rank:
+        return m.fail(f"axis {dq.attr('axis', 1)} out of range for rank {rank}", dq)
+    after = (xv.shape or sv.shape)[axis + 1 :] if axis + 1 < rank else ()
+    if xv.shape is None and axis + 1 < rank or any(not isinstance(d, int) for d in after):
+        return m.fail(f"dims of '{m['x']}' after axis {axis} must be static to rebuild the scale layout", dq)
+
+
+@dequantize_block.rewrite
+def _(m, b):
+    dq = m.node("dq")
+    bs = int(m.attr("block_size"))
+    xv, sv = m.value("x"), m.value("scale")
+    rank = xv.rank if xv.rank is not None else sv.rank
+    axis = dq.attr("axis", 1)
+    axis = axis + rank if axis < 0 else axis
+    out_dt = dq.attr("output_dtype", 0) or sv.dtype
+    k = xv.shape[axis] if xv.shape is not None else None
+    tail = [int(d) for d in (xv.shape[axis + 1 :] if xv.shape is not None else ())]
+
+    xf = b.op("Cast", [m["x"]], to=out_dt)  # (x's own type may be 4-bit, which no later op should read)
+
+    def per_element(param: str) -> str:
+        """[..., nb, ...] -> [..., K, ...]: each block's value repeated block_size times along axis."""
+        u = b.op("Unsqueeze", [param, b.const([axis + 1], "axes", np.int64)])
+        reps = [1] * (rank + 1)
+        reps[axis + 1] = bs
+        t = b.op("Tile", [u, b.const(reps, "repeats", np.int64)])
+        r = b.op("Reshape", [t, b.const([0] * axis + [-1] + tail, "shape", np.int64)])
+        if isinstance(k, int) and k % bs == 0:
+            return r
+        end = b.op("Shape", [xf], start=axis, end=axis + 1)  # partial last block: cut the padding
+        return b.op("Slice", [r, b.const([0], "starts", np.int64), end, b.const([axis], "axes", np.int64)])
+
+    if m.get("zero_point"):
+        diff = b.op("Sub", [xf, per_element(b.op("Cast", [m["zero_point"]], to=out_dt))])
+    else:
+        diff = xf
+    return b.op("Mul", [diff, per_element(m["scale"])], dtype=out_dt, shape=xv.shape)
+
+
+_4BIT_RANGE = {TensorProto.INT4: (-8, 7), TensorProto.UINT4: (0, 15)}
+
+
+@rule("exact-4bit-cast")
+def exact_4bit_cast(op, x):
+    """Cast(Cast(x, to=INT4|UINT4), to=T) -> Cast(x, to=T) when x provably fits the 4-bit range."""
+    narrow = op.Cast(x, to=AttrVar("narrow", check=lambda t: t in _4BIT_RANGE or "inner Cast is not to a 4-bit type"), _name="narrow")
+    return op.Cast(narrow, to=AttrVar("target"), _name="widen")
+
+
+@exact_4bit_cast.check
+def _(m):
+    lo, hi = _4BIT_RANGE[m.attr("narrow")]
+    r = value_range(m.graph, m["x"])
+    if r is None:
+        return m.fail(f"values of '{m['x']}' are not provably within [{lo}, {hi}]", m.node("narrow"))
+    if r[0] < lo or r[1] > hi:
+        return m.fail(f"values of '{m['x']}' span [{r[0]:g}, {r[1]:g}], outside {dtype_name(m.attr('narrow'))}", m.node("narrow"))
+
+
+@exact_4bit_cast.rewrite
+def _(m, b):
+    return b.op("Cast", [m["x"]], to=m.attr("target"), dtype=m.attr("target"), shape=m.value("x").shape)
+
+
+def widen_4bit_initializers(graph: Graph) -> list[str]:
+    """Re-encode INT4/UINT4 initializers as INT8/UINT8 with the same values; returns their names.
+
+    Types of values computed from them through non-Cast, non-DequantizeLinear ops are cleared (their
+    element type changes from 4 to 8 bits), for shape inference to recompute.
+    """
+    done = []
+    for name in list(graph.initializers):
+        v = graph.values[name]
+        if v.dtype not in _WIDEN_4BIT:
+            continue
+        dt8, np8 = _WIDEN_4BIT[v.dtype]
+        data = v.const().astype(np8)
+        t = onnx.numpy_helper.from_array(data, name)
+        v.initializer = t
+        v._const_cache = data
+        v.set_type(dt8, tuple(t.dims))
+        done.append(name)
+        stack = [name]
+        while stack:  # clear stale 4-bit types downstream until a Cast or a DequantizeLinear
+            for c in graph.consumers(stack.pop()):
+                if c.op_type in ("Cast", "DequantizeLinear"):
+                    continue
+                for o in c.outputs:
+                    if o and graph.values[o].dtype in _WIDEN_4BIT:
+                        graph.values[o].set_type(None, None)
+                        stack.append(o)
+    return done
+
+
+class Legalize(Plugin):
+    name = "legalize-iree-import"
+    short = "legalize"
+    description = "Rewrite what IREE's ONNX importer rejects: blocked DequantizeLinear, 4-bit initializers"
+    opset_range = (13, 28)
+
+    @property
+    def rules(self):
+        return [dequantize_block, exact_4bit_cast]
+
+    def run(self, graph, report, ctx=None, *, dry_run=False):
+        super().run(graph, report, ctx, dry_run=dry_run)
+        if dry_run:
+            return
+        widened = widen_4bit_initializers(graph)
+        if widened:
+            report.notes.append(f"re-encoded {len(widened)} 4-bit initializers as 8-bit: {', '.join(widened[:8])}{' ...' if len(widened) > 8 else ''}")
+        runtime_axes = [
+            n.name for t in REDUCE_OPS for n in graph.nodes_by_op(t)
+            if len(n.inputs) > 1 and n.inputs[1] and graph.const(n.inputs[1]) is None and graph.producer_node(n.inputs[1]) is not None
+            and graph.producer_node(n.inputs[1]).op_type not in ("Constant", "Concat", "Unsqueeze")
+        ]
+        if runtime_axes:
+            report.notes.append(
+                f"{len(runtime_axes)} Reduce op(s) take axes computed at run time, which IREE cannot lower; left alone: {', '.join(runtime_axes[:8])}"
+            )

@@ -1,0 +1,192 @@
+"""``rewrite verify``: compare a lowered output folder against the original model on ONNX Runtime CPU.
+
+Errors per output: max absolute error, and relative error = max|got - ref| / max|ref| (a normwise
+measure, so near-zero reference elements do not dominate). Tolerances by element type:
+:data:`REL_TOL` (float32 1e-4, float16/bfloat16 1e-2), integers and booleans exact.
+
+``locate`` exposes every intermediate value the rewritten graph shares (by name) with the original, floats
+and integer indices alike, compiles that probe for the same backend, and names the first node in
+topological order whose output differs beyond tolerance while all its probed inputs agree: the node
+where the backend's result first goes wrong.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from rewrite.backends import get_backend, load_runner
+from rewrite.backends.base import Manifest
+from rewrite.backends.ort import OrtRunner
+from rewrite.core import onnx_io
+from rewrite.core.feeds import make_feeds
+from rewrite.core.ir import Graph, Node, dtype_name
+from rewrite.core.shapes import infer_shapes
+from rewrite.errors import RewriteError
+
+REL_TOL = {onnx.TensorProto.FLOAT: 1e-4, onnx.TensorProto.DOUBLE: 1e-7, onnx.TensorProto.FLOAT16: 1e-2, onnx.TensorProto.BFLOAT16: 1e-2}
+
+
+@dataclass
+class Comparison:
+    """Error of one tensor against its reference."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    max_abs: float
+    max_rel: float
+    tol: float
+    ok: bool
+    mismatched: int = 0  # elements that differ (integer tensors)
+
+    def line(self) -> str:
+        status = "ok  " if self.ok else "FAIL"
+        extra = f"  ({self.mismatched} elements differ)" if self.mismatched else ""
+        return f"{status} {self.name:<40} {self.dtype:<8} {str(list(self.shape)):<18} max_abs={self.max_abs:.3e}  max_rel={self.max_rel:.3e}  tol={self.tol:g}{extra}"
+
+
+def compare(name: str, got: np.ndarray, ref: np.ndarray, rtol: float | None = None) -> Comparison:
+    """Compare one output. Shape or dtype-kind mismatches fail with infinite error."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    dt = onnx.helper.np_dtype_to_tensor_dtype(ref.dtype) if ref.dtype != object else 0
+    if got.shape != ref.shape:
+        return Comparison(name, dtype_name(dt), ref.shape, float("inf"), float("inf"), 0.0, False)
+    if not np.issubdtype(ref.dtype, np.floating):
+        diff = int(np.count_nonzero(got != ref))
+        return Comparison(name, dtype_name(dt), ref.shape, float(diff > 0), float(diff > 0), 0.0, diff == 0, diff)
+    tol = rtol if rtol is not None else REL_TOL.get(dt, 1e-4)
+    g64, r64 = got.astype(np.float64), ref.astype(np.float64)
+    both_nan = np.isnan(g64) & np.isnan(r64)
+    same_inf = np.isinf(r64) & (g64 == r64)
+    with np.errstate(invalid="ignore"):
+        d = np.where(both_nan | same_inf, 0.0, np.abs(g64 - r64))
+    d = np.nan_to_num(d, nan=np.inf)
+    max_abs = float(d.max()) if d.size else 0.0
+    scale = float(np.max(np.abs(r64[np.isfinite(r64)]))) if np.isfinite(r64).any() else 1.0
+    max_rel = max_abs / max(scale, 1e-30) if max_abs else 0.0
+    return Comparison(name, dtype_name(dt), ref.shape, max_abs, max_rel, tol, max_rel <= tol)
+
+
+@dataclass
+class Located:
+    """The first node whose result differs from ONNX Runtime."""
+
+    node: str
+    op_type: str
+    inputs: list[str]
+    outputs: list[Comparison]
+    probed: int
+
+    def line(self) -> str:
+        bad = [c for c in self.outputs if not c.ok]
+        errs = ", ".join(f"'{c.name}' max_abs={c.max_abs:.3e} max_rel={c.max_rel:.3e}" + (f" ({c.mismatched} of {int(np.prod(c.shape))} elements differ)" if c.mismatched else "") for c in bad)
+        return f"first differing node: '{self.node}' ({self.op_type}) inputs [{', '.join(self.inputs)}]: {errs}  [{self.probed} values probed]"
+
+
+def reference_outputs(model_path: str | Path, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Run the original model on ONNX Runtime CPU with the feeds it takes."""
+    r = OrtRunner(Path(model_path))
+    return r.run({k: v for k, v in feeds.items() if k in r.input_names}, outputs)
+
+
+def default_feeds(folder: Path, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Feeds for the lowered function's inputs (static after ``--dim`` overrides), see :mod:`rewrite.core.feeds`."""
+    m = Manifest.read(folder)
+    return make_feeds(m.input_specs, m.dims, seed=seed)
+
+
+def verify(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.ndarray] | None = None,
+           rtol: float | None = None, seed: int = 0) -> list[Comparison]:
+    """Compare every output of ``folder``'s lowered model with the original on ONNX Runtime."""
+    folder = Path(folder)
+    runner = load_runner(folder)
+    feeds = feeds if feeds is not None else default_feeds(folder, seed=seed)
+    got = runner.run(feeds)
+    ref = reference_outputs(model_path, feeds)
+    return [compare(n, got[n], ref[n], rtol) for n in runner.output_names if n in ref]
+
+
+def locate(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.ndarray] | None = None,
+           rtol: float | None = None, seed: int = 0, work_dir: str | Path | None = None) -> Located | None:
+    """Find the first node of the lowered model whose output differs from ONNX Runtime (see module doc).
+
+    Returns None when every probed value agrees. Raises RewriteError if the probe cannot be built.
+    """
+    folder = Path(folder)
+    manifest = Manifest.read(folder)
+    feeds = feeds if feeds is not None else default_feeds(folder, seed=seed)
+    lowered = onnx_io.load(folder / manifest.model)
+    original = onnx_io.load(model_path)
+    infer_shapes(lowered)
+    infer_shapes(original)
+    probe_names = _probe_values(lowered, original)
+    if not probe_names:
+        return None
+    tmp = Path(tempfile.mkdtemp(prefix="rewrite-locate-", dir=work_dir))
+    try:
+        orig_probe = _with_outputs(original, probe_names)
+        onnx_io.save(orig_probe, tmp / "original_probe.onnx")
+        ref = reference_outputs(tmp / "original_probe.onnx", feeds, probe_names)
+        low_probe = _with_outputs(lowered, probe_names)
+        pfolder = tmp / "lowered_probe"
+        pfolder.mkdir()
+        pm = Manifest(backend=manifest.backend, target=manifest.target, source_model=manifest.source_model)
+        get_backend(manifest.backend).lower(low_probe, pfolder, pm, options={})
+        pm.write(pfolder)
+        got = load_runner(pfolder).run({k: feeds[k] for k in [d["name"] for d in pm.inputs]})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    probed = set(probe_names)
+    # an f32 value computed from f16 inputs carries f16 rounding: judge intermediates at the model's
+    # lowest float precision
+    floor = max((REL_TOL.get(v.dtype, 0.0) for v in lowered.values.values() if v.dtype in REL_TOL), default=0.0)
+    bad_values = {}
+    for n in probe_names:
+        tol = rtol if rtol is not None else max(REL_TOL.get(lowered.values[n].dtype, 1e-4), floor)
+        bad_values[n] = compare(n, got[n], ref[n], tol)
+    for node in lowered.topo_nodes():
+        outs = [bad_values[o] for o in node.outputs if o in probed]
+        if not outs or all(c.ok for c in outs):
+            continue
+        if all(bad_values[i].ok for i in node.inputs if i in probed):
+            return Located(node.name, node.op_type, [i for i in node.inputs if i], outs, len(probe_names))
+    return None
+
+
+def _probe_values(lowered: Graph, original: Graph) -> list[str]:
+    """Intermediate tensors present in both graphs with a known element type, in lowered topological order."""
+    names = []
+    for n in lowered.topo_nodes():
+        if n.has_subgraphs():
+            continue
+        for o in n.outputs:
+            v = lowered.values.get(o)
+            ov = original.values.get(o)
+            if not o or o in lowered.outputs or v is None or ov is None or v.dtype is None or v.shape is None:
+                continue
+            if original.producer_node(o) is None or ov.dtype != v.dtype:
+                continue
+            names.append(o)
+    return names
+
+
+def _with_outputs(graph: Graph, names: list[str]) -> Graph:
+    """A copy of ``graph`` (via ONNX) whose outputs also include ``names`` (typed from value_info)."""
+    model = onnx_io.to_model(graph)
+    present = {o.name for o in model.graph.output}
+    infos = {vi.name: vi for vi in model.graph.value_info}
+    for n in names:
+        if n in present:
+            continue
+        vi = infos.get(n) or graph.values[n].to_value_info()
+        if vi is None:
+            raise RewriteError(f"value '{n}' has no type; cannot expose it")
+        model.graph.output.append(vi)
+    base = next((v.base_dir for v in graph.values.values() if v.base_dir), "")
+    return onnx_io.load(model, base_dir=base)
