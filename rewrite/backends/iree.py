@@ -47,6 +47,8 @@ class IreeBackend:
 
     def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
         onnx_path = folder / manifest.model
+        if not graph.name:  # the importer names the entry function after the graph and rejects ""
+            graph.name = "main_graph"
         onnx_io.save(graph, onnx_path)
         model = onnx_io.to_model(graph)
         manifest.inputs = [s.to_json() for s in specs_of(model.graph.input) if s.name not in graph.initializers]

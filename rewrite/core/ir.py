@@ -224,7 +224,9 @@ class Graph:
         self.initializers: list[str] = []  # in original order; new ones appended
         self.name = ""
         self.doc_string = ""
-        self.passthrough = onnx.GraphProto()  # sparse_initializer, quantization_annotation, metadata_props
+        # sparse_initializer, quantization_annotation, metadata_props, value_info of inputs/initializers,
+        # and name/doc_string presence (proto2), as read
+        self.passthrough = onnx.GraphProto()
         self.value_info_order: list[str] = []  # names that had value_info in the source, in order
         self.output_infos: dict[str, onnx.ValueInfoProto] = {}  # graph outputs' ValueInfoProtos as read
         self.model_shell = onnx.ModelProto()  # everything of the ModelProto but the graph
@@ -445,6 +447,8 @@ class Graph:
         """
         if old == new:
             return
+        if new not in self.producer:  # checked first: a half-done replacement would leave the graph inconsistent
+            raise RewriteError(f"cannot replace '{old}' by '{new}': '{new}' is never produced")
         for consumer, port in list(self.uses(old)):
             if consumer == SINK:
                 continue
@@ -487,6 +491,7 @@ class Graph:
             and self.producer.get(old, (SOURCE,))[0] != SOURCE
         )
         old_v = self.values[old]
+        old_info = old_v.info  # taken now: renaming old_v below gives it a copy under the new name
         for k in idx:
             self._disconnect(old, SINK, k)
         if renamable:
@@ -499,7 +504,7 @@ class Graph:
             nv = self.values[old]
             if nv.dtype is None:
                 nv.set_type(old_v.dtype, old_v.shape)
-            nv.info = old_v.info if (nv.dtype, nv.shape) == (old_v.dtype, old_v.shape) else None
+            nv.info = old_info if (nv.dtype, nv.shape) == (old_v.dtype, old_v.shape) else None
             for k in idx:
                 self._connect(old, SINK, k)
         else:
@@ -507,7 +512,7 @@ class Graph:
             self._rename_value(old, bridge)
             self.add_node("Identity", [new], [old], name=f"{old}_identity", order=self._order_after(new))
             self.values[old].set_type(old_v.dtype, old_v.shape)
-            self.values[old].info = old_v.info
+            self.values[old].info = old_info
             for k in idx:
                 self._connect(old, SINK, k)
 

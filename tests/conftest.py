@@ -1,0 +1,32 @@
+"""Shared fixtures: the example exporters on sys.path and tiny exported models, built once per session."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_tiny(tmp_path_factory) -> Path:
+    """The tiny Qwen1.5-MoE-architecture decoder (fp32) exported by transformers' ONNX exporter."""
+    import qwen_moe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = qwen_moe.build_model("qwen2_moe", "tiny")
+        return qwen_moe.export_hf(model, tmp_path_factory.mktemp("qwen2_moe_tiny"))
+
+
+@pytest.fixture(scope="session")
+def seed_fp32(tmp_path_factory):
+    """The seed's static-cache INT4 form (fp32): (path, weights)."""
+    import seed_form
+
+    model, weights = seed_form.build_seed_model("fp32")
+    return seed_form.save_seed_model(model, tmp_path_factory.mktemp("seed") / "seed_fp32.onnx"), weights
