@@ -12,12 +12,13 @@ When a match fails, :class:`MatchTrace` keeps the deepest partial match and the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from rewrite.core.ir import SINK, Graph, Node
 from rewrite.core.pattern import AttrVar, Const, NodeOut, NodePattern, Or, Pattern, ValuePattern, Var
@@ -116,6 +117,16 @@ class Matcher:
         """Values that could be output ``out``: outputs of nodes downstream of bound values, nearest first."""
         if isinstance(out, (Var, Const)):
             return [b.values[out.name]] if out.name in b.values else []
+        direct: list[str] = []  # outputs of pattern nodes already bound (e.g. a Split's other outputs)
+        for alt in (out.alternatives if isinstance(out, Or) else [out]):
+            if isinstance(alt, NodeOut) and alt.node.id in b.nodes:
+                outs = self.g.nodes[b.nodes[alt.node.id]].outputs
+                if alt.port < len(outs) and outs[alt.port] and outs[alt.port] not in direct:
+                    direct.append(outs[alt.port])
+            elif isinstance(alt, (Var, Const)) and alt.name in b.values and b.values[alt.name] not in direct:
+                direct.append(b.values[alt.name])
+        if not isinstance(out, Or) and direct:
+            return direct
         depth = _height(out)
         frontier = set(b.values.values())
         for nid in b.nodes.values():
@@ -132,7 +143,7 @@ class Matcher:
                             nxt.add(o)
                             found.append(o)
             frontier = nxt
-        return found
+        return direct + [o for o in found if o not in direct]
 
     # ---------------------------------------------------------------- values
     def _value(self, vp: ValuePattern | None, val: str, b: Binding) -> Iterator[Binding]:
@@ -181,6 +192,8 @@ class Matcher:
                     return
                 if vp.value is not None:
                     want = np.asarray(vp.value)
+                    if data.dtype.kind in "fc" and want.dtype.kind in "fiub":
+                        want = want.astype(data.dtype)  # 1e-5 means the float32/float16 nearest to it
                     try:
                         same = np.broadcast(data, want).size == max(data.size, want.size) and bool(np.all(data == want))
                     except ValueError:
@@ -203,7 +216,7 @@ class Matcher:
         if n is None:
             self.trace.fail(f"'{val}' is a graph input or initializer, pattern wants the output of {vp.node.label()}", b, g)
             return
-        if n.outputs[vp.port] != val:
+        if vp.port >= len(n.outputs) or n.outputs[vp.port] != val:
             self.trace.fail(f"'{val}' is output {n.outputs.index(val)} of {n.describe()}, pattern wants output {vp.port}", b, g, n)
             return
         yield from self._node(vp.node, n, b)
@@ -270,11 +283,10 @@ class Matcher:
                         return
                 b = b.extend(attrs=(want.name, got))
             else:
+                want_c = _as_stored(name, want)
                 if isinstance(got, (list, np.ndarray)):
                     got = list(np.asarray(got).tolist())
-                    want_c = list(np.asarray(want).tolist())
-                else:
-                    want_c = want
+                    want_c = list(np.asarray(want_c).tolist())
                 if got != want_c:
                     self.trace.fail(f"attribute '{name}' of {n.describe()} is {got}, pattern wants {want}", b, g, n)
                     return
@@ -294,7 +306,7 @@ class Matcher:
             if len(ins) < len(pats) - 1:
                 self.trace.fail(f"{n.describe()} has {len(ins)} inputs, pattern wants at least {len(pats) - 1}", b, g, n)
                 return
-            pats = pats[:-1] + [pats[-1]] * (len(ins) - len(pats) + 1)
+            pats = pats[:-1] + [_variadic_at(pats[-1], k) for k in range(len(ins) - len(pats) + 1)]
         elif len(ins) > len(pats) and not np_.allow_other_inputs:
             self.trace.fail(f"{n.describe()} has {len(ins)} inputs, pattern wants {len(pats)}", b, g, n)
             return
@@ -311,6 +323,29 @@ class Matcher:
             return
         for b2 in self._value(pats[k], vals[k], b):
             yield from self._inputs(pats, vals, k + 1, b2)
+
+
+def _variadic_at(vp: ValuePattern | None, k: int) -> ValuePattern | None:
+    """The variadic tail pattern for the k-th input it covers: a Var/Const binds ``name``, then ``name.1``, ...
+
+    (Repeating the same Var would require every variadic input to be the same value.)
+    """
+    if k == 0 or not isinstance(vp, (Var, Const)):
+        return vp
+    return dataclasses.replace(vp, name=f"{vp.name}.{k}")
+
+
+def _as_stored(name: str, want: Any) -> Any:
+    """A literal attribute value as the graph reports it (floats rounded to float32, strings decoded)."""
+    try:
+        v = helper.get_attribute_value(helper.make_attribute(name, want))
+    except Exception:  # noqa: BLE001 - not representable as an attribute: compare as given
+        return want
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, onnx.TensorProto):
+        return numpy_helper.to_array(v)
+    return v
 
 
 def _height(v: ValuePattern | None) -> int:

@@ -1,4 +1,5 @@
-"""Shape and type refinement: onnx shape inference with data propagation, then dimension overrides.
+"""Shape and type refinement: onnx shape inference with data propagation, dimension overrides, and
+partial evaluation of shape computations (:mod:`rewrite.core.shape_eval`).
 
 ``--dim seq_len=1`` replaces the symbolic dim ``seq_len`` by 1 wherever it appears (graph inputs, outputs,
 value_info), drops the intermediate types that mentioned it and infers again, so every value whose shape
@@ -9,8 +10,10 @@ per-node types that ignore free-dimension overrides leave every op dynamic).
 from __future__ import annotations
 
 import onnx
+from onnx import helper, numpy_helper
 
 from rewrite.core import onnx_io
+from rewrite.core.shape_eval import known_values
 from rewrite.core.ir import Graph
 from rewrite.errors import RewriteError
 
@@ -52,16 +55,52 @@ def override_dims(graph: Graph, dims: dict[str, int]) -> None:
         graph.output_infos.pop(name, None)
 
 
+MAX_ROUNDS = 6  #: inference / partial-evaluation rounds before giving up on further refinement
+
+
 def infer_shapes(graph: Graph, dims: dict[str, int] | None = None) -> int:
-    """Apply ``dims`` (see :func:`override_dims`), run onnx shape inference with data propagation, and record
-    the inferred types on values that had none. Returns how many values gained a type.
+    """Apply ``dims`` (see :func:`override_dims`), run onnx shape inference with data propagation, then
+    alternate partial evaluation of shape computations and inference until no value gains a static dim.
+    Records inferred types on values that had none or had a less static shape. Returns how many values
+    gained information.
 
     Raises:
         RewriteError: shape inference found an inconsistency (message names the node ONNX reports).
     """
     if dims:
         override_dims(graph, dims)
+    gained = _infer_round(graph, onnx_io.to_model(graph))
+    for _ in range(MAX_ROUNDS):
+        known = known_values(graph)
+        if not known:
+            break
+        new = _infer_round(graph, _with_known_constants(graph, known))
+        for name, val in known.items():  # folded values are initializers in the probe: type them directly
+            v = graph.values[name]
+            if v.shape is None or not all(isinstance(d, int) for d in v.shape):
+                v.set_type(helper.np_dtype_to_tensor_dtype(val.dtype), val.shape)
+                new += 1
+        gained += new
+        if not new:
+            break
+    return gained
+
+
+def _with_known_constants(graph: Graph, known: dict) -> onnx.ModelProto:
+    """The model with every node whose outputs are all known replaced by initializers holding them, and
+    intermediate value_info dropped (so inference starts from the constants, not from stale symbols)."""
     model = onnx_io.to_model(graph)
+    gp = model.graph
+    keep = [n for n in gp.node if not all((not o) or o in known for o in n.output)]
+    folded = {o for n in gp.node if n not in keep for o in n.output if o}
+    del gp.node[:]
+    gp.node.extend(keep)
+    gp.initializer.extend(numpy_helper.from_array(known[o], o) for o in sorted(folded) if o not in graph.outputs)
+    del gp.value_info[:]
+    return model
+
+
+def _infer_round(graph: Graph, model: onnx.ModelProto) -> int:
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
