@@ -15,6 +15,7 @@ from pathlib import Path
 from rewrite.backends import get_backend
 from rewrite.backends.base import Manifest
 from rewrite.core import onnx_io
+from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport, run_plugin
 from rewrite.core.ir import Graph
 from rewrite.core.shapes import infer_shapes
@@ -23,7 +24,7 @@ from rewrite.plugins.base import Plugin
 from rewrite.plugins.manager import select_plugins
 
 #: Domains whose ops ONNX Runtime or the ONNX spec define; others must be model-local functions.
-KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "ai.onnx.preview", "com.microsoft", "com.microsoft.nchwc", "org.pytorch.aten", "com.ms.internal.nhwc"})
+KNOWN_DOMAINS = frozenset({DOMAIN, "", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "ai.onnx.preview", "com.microsoft", "com.microsoft.nchwc", "org.pytorch.aten", "com.ms.internal.nhwc"})
 
 
 @dataclass

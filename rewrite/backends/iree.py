@@ -12,10 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from rewrite.backends.base import Manifest, check_feeds
+from rewrite.backends.iree_patch import PatchContext, patch_module, unlowered_ops
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io
+from rewrite.core.abstract_ops import DOMAIN, registered_ops
 from rewrite.core.feeds import specs_of
 from rewrite.core.ir import Graph
+from rewrite.errors import BackendError
 
 DEFAULT_PARAM_THRESHOLD = 4096  #: initializers with at least this many elements go to the .irpa
 
@@ -59,8 +62,19 @@ class IreeBackend:
             params_path=folder / "model.irpa",
             param_threshold_elements=int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD)),
         )
-        for patch in options.get("mlir_patches", ()):
-            patch(res.mlir_path, folder, manifest)
+        ops = {**registered_ops(), **options.get("abstract_ops", {})}
+        used = {n.op_type for n in graph.nodes.values() if n.domain == DOMAIN}
+        missing = sorted(used - set(ops))
+        if missing:
+            raise BackendError(f"no IREE lowering registered for abstract op(s) {', '.join(missing)}")
+        if used:
+            ctx = PatchContext(folder=folder, target=manifest.target)
+            mlir, _ = patch_module(res.mlir_path.read_text(), {t: ops[t].lower_iree for t in used}, ctx)
+            left = unlowered_ops(mlir, used)
+            if left:
+                raise BackendError(f"abstract op(s) {', '.join(left)} left in {res.mlir_path} after lowering")
+            res.mlir_path.write_text(mlir)
+            manifest.kernel_objects = list(ctx._kernel_objects)
         compile_mlir(res.mlir_path, folder / "model.vmfb", target=manifest.target)
         manifest.entry_function = res.entry_function
         manifest.files.update(mlir="model.mlir", vmfb="model.vmfb", compile_log="compile.log")

@@ -13,6 +13,7 @@ import onnxruntime as ort
 
 from rewrite.backends.base import Manifest, check_feeds
 from rewrite.core import onnx_io
+from rewrite.core.abstract_ops import DOMAIN, registered_ops
 from rewrite.core.feeds import specs_of
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
@@ -51,11 +52,29 @@ class OrtRunner:
         return dict(zip(names, res))
 
 
+def lower_abstract_ops(graph: Graph, ops: dict) -> int:
+    """Replace every abstract op by its ONNX Runtime lowering; returns how many were lowered.
+
+    Raises BackendError naming the node when an op has no lowering."""
+    count = 0
+    for node in sorted((n for n in graph.nodes.values() if n.domain == DOMAIN), key=lambda n: n.order):
+        op = ops.get(node.op_type)
+        if op is None:
+            raise BackendError(f"node {node.describe()}: no ONNX Runtime lowering registered for abstract op {node.op_type}")
+        op.lower_ort(graph, node)
+        count += 1
+    left = [n for n in graph.nodes.values() if n.domain == DOMAIN]
+    if left:
+        raise BackendError(f"node {left[0].describe()}: still an abstract op after ONNX Runtime lowering")
+    return count
+
+
 class OrtBackend:
     name = "ort"
     targets = ("cpu",)
 
     def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
+        lower_abstract_ops(graph, {**registered_ops(), **options.get("abstract_ops", {})})
         path = folder / manifest.model
         onnx_io.save(graph, path)
         model = onnx_io.to_model(graph)

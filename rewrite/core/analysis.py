@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from rewrite.core.ir import Graph
 
 #: Ops that only move, select or replicate elements: the output's values are a subset of the data input's.
@@ -21,6 +23,8 @@ def value_range(graph: Graph, value: str, _depth: int = 0) -> tuple[float, float
     if data is not None:
         if data.size == 0:
             return None
+        if data.dtype.kind in "fc" and np.isnan(data).any():
+            return None  # NaN has no place in any range (it compares false against both bounds)
         return float(data.min()), float(data.max())
     n = graph.producer_node(value)
     if n is None or n.domain not in ("", "ai.onnx") or n.op_type not in DATA_MOVEMENT or _depth > 32:

@@ -573,6 +573,22 @@ class Graph:
             del self.producer[i]
         return len(dead)
 
+    def replace_node(self, node: Node, outputs: Sequence[str]) -> None:
+        """Redirect every use of ``node``'s outputs to ``outputs`` (same order; ``""`` for an output nobody
+        reads) and remove ``node``. Graph outputs keep their names (see :meth:`replace_all_uses`).
+
+        Raises:
+            RewriteError: the number of outputs differs, or a used output has no replacement.
+        """
+        if len(outputs) != len(node.outputs):
+            raise RewriteError(f"node {node.describe()}: {len(outputs)} replacement outputs for {len(node.outputs)}")
+        for old, new in zip(node.outputs, outputs):
+            if old and new:
+                self.replace_all_uses(old, new)
+            elif old and self.uses(old):
+                raise RewriteError(f"node {node.describe()}: output '{old}' is used but has no replacement")
+        self.remove_node(node)
+
     def remove_dead_nodes(self, candidates: Iterable[int]) -> list[Node]:
         """Remove those of ``candidates`` (and their producers among them, transitively) with no remaining uses."""
         cand = set(candidates)

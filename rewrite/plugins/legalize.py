@@ -29,7 +29,7 @@ from onnx import TensorProto
 from rewrite.core.analysis import value_range
 from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.pattern import AttrVar, Var
-from rewrite.core.rules import rule
+from rewrite.core.rules import _FLOAT_FORMATS, _INT_RANGES, rule
 from rewrite.plugins.base import Plugin
 
 REDUCE_OPS = (
@@ -65,6 +65,14 @@ def _(m):
     after = (xv.shape or sv.shape)[axis + 1 :] if axis + 1 < rank else ()
     if xv.shape is None and axis + 1 < rank or any(not isinstance(d, int) for d in after):
         return m.fail(f"dims of '{m['x']}' after axis {axis} must be static to rebuild the scale layout", dq)
+    out_dt = dq.attr("output_dtype", 0) or sv.dtype
+    if xv.dtype in _INT_RANGES and out_dt in _FLOAT_FORMATS:
+        # The decomposition casts x and zero_point to the output type and subtracts there; DequantizeLinear
+        # subtracts in integers and rounds once. Equal only when every x - zero_point is exact in that type.
+        lo, hi = _INT_RANGES[xv.dtype]
+        need = hi - lo if m.get("zero_point") else max(-lo, hi)
+        if need > 2 ** (_FLOAT_FORMATS[out_dt][1] + 1):
+            return m.fail(f"x - zero_point of {dtype_name(xv.dtype)} is not exact in {dtype_name(out_dt)}", dq)
 
 
 @dequantize_block.rewrite
@@ -113,6 +121,8 @@ def exact_4bit_cast(op, x):
 @exact_4bit_cast.check
 def _(m):
     lo, hi = _4BIT_RANGE[m.attr("narrow")]
+    if m.value("x").dtype not in _INT_RANGES:  # a float in range may still be a non-integer that the Cast rounds
+        return m.fail(f"'{m['x']}' is {dtype_name(m.value('x').dtype)}, not an integer type", m.node("narrow"))
     r = value_range(m.graph, m["x"])
     if r is None:
         return m.fail(f"values of '{m['x']}' are not provably within [{lo}, {hi}]", m.node("narrow"))
@@ -155,6 +165,25 @@ def widen_4bit_initializers(graph: Graph) -> list[str]:
     return done
 
 
+_NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
+
+
+def _known_before_run(graph: Graph, value: str, _depth: int = 0) -> bool:
+    """Whether ``value`` is a constant or folds to one: computed by default-domain ops from constants only
+    (``Shape``/``Size`` of a value of static shape count as constants). Measured with importer 3.13: such
+    Reduce axes lower (Concat or Neg of constants, Size of a static Shape); a graph input, or a Concat or
+    Unsqueeze of one, fails in iree-compile."""
+    if graph.const(value) is not None:
+        return True
+    n = graph.producer_node(value)
+    if n is None or n.domain not in ("", "ai.onnx") or n.op_type in _NONDETERMINISTIC or n.has_subgraphs() or _depth > 64:
+        return False
+    if n.op_type in ("Shape", "Size"):
+        shape = graph.values[n.inputs[0]].shape
+        return shape is not None and all(isinstance(d, int) for d in shape)
+    return all(_known_before_run(graph, i, _depth + 1) for i in n.inputs if i)
+
+
 class Legalize(Plugin):
     name = "legalize-iree-import"
     short = "legalize"
@@ -174,8 +203,7 @@ class Legalize(Plugin):
             report.notes.append(f"re-encoded {len(widened)} 4-bit initializers as 8-bit: {', '.join(widened[:8])}{' ...' if len(widened) > 8 else ''}")
         runtime_axes = [
             n.name for t in REDUCE_OPS for n in graph.nodes_by_op(t)
-            if len(n.inputs) > 1 and n.inputs[1] and graph.const(n.inputs[1]) is None and graph.producer_node(n.inputs[1]) is not None
-            and graph.producer_node(n.inputs[1]).op_type not in ("Constant", "Concat", "Unsqueeze")
+            if len(n.inputs) > 1 and n.inputs[1] and not _known_before_run(graph, n.inputs[1])
         ]
         if runtime_axes:
             report.notes.append(

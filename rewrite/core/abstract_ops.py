@@ -1,0 +1,60 @@
+"""Abstract ops: what a plugin's rewrite produces, lowered separately for each backend.
+
+A matched subgraph becomes one node in domain :data:`DOMAIN` (say ``ai.rewrite::MoERouterTopK``) with a
+declared contract and a numpy reference. Each backend lowers it its own way:
+
+* ``ort``: :meth:`AbstractOp.lower_ort` replaces the node in the graph by ONNX Runtime contrib ops
+  (com.microsoft QMoE, MoE, MatMulNBits, ...) or a standard-ONNX decomposition, before the file is written;
+* ``iree``: IREE's ONNX importer turns the node into ``torch.operator "onnx.<op_type>"`` (it drops the
+  domain, so op types must not collide with ONNX op names), and :meth:`AbstractOp.lower_iree` returns the
+  MLIR that replaces it: an extern dispatch of a plugin kernel, or plain tensor ops
+  (see :mod:`rewrite.backends.iree_patch`).
+
+The producing rule must record a type on every output (``Builder.op(..., dtype=, shape=)``): the importer
+types an output it cannot infer as ``!torch.none``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rewrite.backends.iree_patch import IreeLowering, PatchContext, TorchOperator
+    from rewrite.core.ir import Graph, Node
+
+DOMAIN = "ai.rewrite"  #: domain of every abstract op
+
+
+class AbstractOp:
+    """Base class; subclasses set :attr:`op_type` and implement the reference and the lowerings."""
+
+    op_type: ClassVar[str] = ""
+    domain: ClassVar[str] = DOMAIN
+
+    def reference(self, attrs: dict, *inputs: np.ndarray) -> list[np.ndarray]:
+        """numpy semantics of the op (the contract every lowering and kernel is tested against)."""
+        raise NotImplementedError
+
+    def lower_ort(self, graph: "Graph", node: "Node") -> None:
+        """Replace ``node`` in ``graph`` by ops ONNX Runtime runs (contrib ops or a decomposition)."""
+        raise NotImplementedError(f"{self.op_type} has no ONNX Runtime lowering")
+
+    def lower_iree(self, op: "TorchOperator", ctx: "PatchContext") -> "IreeLowering":
+        """MLIR replacing the imported ``torch.operator "onnx.<op_type>"``."""
+        raise NotImplementedError(f"{self.op_type} has no IREE lowering")
+
+
+def registered_ops() -> dict[str, AbstractOp]:
+    """Abstract ops of every available plugin (selected or not), by op_type.
+
+    A backend can thus lower a graph rewritten earlier, by plugins not selected in this run.
+    """
+    from rewrite.plugins.manager import available_plugins
+
+    out: dict[str, AbstractOp] = {}
+    for p in available_plugins().values():
+        for op in getattr(p, "abstract_ops", ()):
+            out[op.op_type] = op
+    return out
