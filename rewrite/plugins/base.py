@@ -50,6 +50,16 @@ class Plugin:
     def rules(self) -> list[Rule]:
         return []
 
+    @property
+    def abstract_ops(self) -> list:
+        """:class:`rewrite.core.abstract_ops.AbstractOp` instances this plugin's rules create."""
+        return []
+
+    @property
+    def cases(self) -> list:
+        """:class:`rewrite.testing.cases.Case` objects the conformance kit runs for this plugin."""
+        return []
+
     def run(self, graph: Graph, report: PluginReport, ctx: "RewriteContext | None" = None, *, dry_run: bool = False) -> None:
         """Rewrite ``graph`` in place, recording what happened in ``report``. Default: apply :attr:`rules`."""
         apply_rules(graph, self.rules, self.short, report, dry_run=dry_run)
