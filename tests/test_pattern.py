@@ -238,6 +238,20 @@ def test_variadic_tail_after_fixed_inputs_and_its_constraints():
     assert list(ms) == ["two", "same"]
 
 
+def test_variadic_tail_of_a_commutative_op_tries_both_first_orders():
+    model = _model(
+        [helper.make_node("Sum", ["A", "B", "C"], ["Y"], name="sum3"), helper.make_node("Sum", ["B", "A"], ["Z"], name="sum2")],
+        [_vi("A"), _vi("B"), _vi("C")],
+        [_vi("Y"), _vi("Z")],
+    )
+    not_b = Var("ys", check=lambda v: v.name != "B" or "B refused")
+    ms = _matches(lambda op, x, ys=not_b: op.Sum(x, ys, _variadic=True), model)
+    assert [(a, m.binding.values) for a, m in ms.items()] == [
+        ("sum3", {"x": "B", "ys": "A", "ys.1": "C"}),  # first two swapped, the tail in place
+        ("sum2", {"x": "B", "ys": "A"}),
+    ]
+
+
 def test_allow_other_inputs():
     ms = _matches(lambda op, x: op.Clip(x), _clip_model())
     assert list(ms) == ["none"]

@@ -9,10 +9,11 @@ and node.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from rewrite.core.ir import Graph
+from rewrite.core.ir import RULE_TAG, Graph
 from rewrite.core.matcher import Failure, Match, Matcher, MatchTrace
 from rewrite.core.rules import Builder, Rule
 from rewrite.errors import PluginError, RewriteError
@@ -129,7 +130,15 @@ def _apply(graph: Graph, r: Rule, m: Match, plugin: str, rep: RuleReport) -> Non
     for old, new in zip(m.outputs, repl):
         if new not in graph.values:
             raise RewriteError(f"rewrite returned unknown value '{new}'")
+        new_producer = graph.producer.get(new)
         graph.replace_all_uses(old, new)
+        bridge = graph.producer_node(old) if old in graph.outputs else None
+        if bridge is not None and graph.producer.get(old) != new_producer and bridge.rule is None:
+            # the Identity that keeps a graph output's name was created by this rewrite: tag it too
+            bridge.extra = copy.deepcopy(bridge.extra)
+            tag = bridge.extra.metadata_props.add()
+            tag.key, tag.value = RULE_TAG, b.rule_tag
+            b.created.append(bridge)
     removed = graph.remove_dead_nodes(n.id for n in m.nodes)
     rep.nodes_removed += len(removed)
     rep.nodes_added += len([n for n in b.created if n.id in graph.nodes])

@@ -313,7 +313,7 @@ class Matcher:
         ins = ins + [""] * max(0, len(pats) - len(ins))
         orders = [list(range(len(pats)))]
         if np_.commutative and len(ins) >= 2:
-            orders.append([1, 0])
+            orders.append([1, 0] + orders[0][2:])  # a variadic tail keeps its place
         for order in orders:
             yield from self._inputs(pats, [ins[k] for k in order], 0, b)
 
