@@ -168,20 +168,27 @@ def widen_4bit_initializers(graph: Graph) -> list[str]:
 _NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
 
 
-def _known_before_run(graph: Graph, value: str, _depth: int = 0) -> bool:
+def _known_before_run(graph: Graph, value: str, _depth: int = 0, _memo: dict | None = None) -> bool:
     """Whether ``value`` is a constant or folds to one: computed by default-domain ops from constants only
     (``Shape``/``Size`` of a value of static shape count as constants). Measured with importer 3.13: such
     Reduce axes lower (Concat or Neg of constants, Size of a static Shape); a graph input, or a Concat or
     Unsqueeze of one, fails in iree-compile."""
+    memo = {} if _memo is None else _memo
+    if value in memo:
+        return memo[value]
     if graph.const(value) is not None:
-        return True
-    n = graph.producer_node(value)
-    if n is None or n.domain not in ("", "ai.onnx") or n.op_type in _NONDETERMINISTIC or n.has_subgraphs() or _depth > 64:
-        return False
-    if n.op_type in ("Shape", "Size"):
-        shape = graph.values[n.inputs[0]].shape
-        return shape is not None and all(isinstance(d, int) for d in shape)
-    return all(_known_before_run(graph, i, _depth + 1) for i in n.inputs if i)
+        known = True
+    else:
+        n = graph.producer_node(value)
+        if n is None or n.domain not in ("", "ai.onnx") or n.op_type in _NONDETERMINISTIC or n.has_subgraphs() or _depth > 64:
+            known = False
+        elif n.op_type in ("Shape", "Size"):
+            shape = graph.values[n.inputs[0]].shape
+            known = shape is not None and all(isinstance(d, int) for d in shape)
+        else:
+            known = all(_known_before_run(graph, i, _depth + 1, memo) for i in n.inputs if i)
+    memo[value] = known
+    return known
 
 
 class Legalize(Plugin):
