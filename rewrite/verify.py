@@ -90,8 +90,9 @@ class Located:
 
 
 def reference_outputs(model_path: str | Path, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Run the original model on ONNX Runtime CPU with the feeds it takes."""
-    r = OrtRunner(Path(model_path))
+    """Run the original model on ONNX Runtime CPU with the feeds it takes, at the "basic" optimization
+    level (exact graph semantics: no approximate fusions such as MatMulNBits accuracy_level 4)."""
+    r = OrtRunner(Path(model_path), optimize="basic")
     return r.run({k: v for k, v in feeds.items() if k in r.input_names}, outputs)
 
 

@@ -19,14 +19,25 @@ from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
 
 
-def ort_session(model_path: str | Path, *, threads: int = 0, optimize: bool = True) -> ort.InferenceSession:
-    """A CPU InferenceSession; raises BackendError with ORT's first message line on failure."""
+#: ORT graph optimization levels by name. "basic" keeps the graph's exact semantics; "all" may fuse a blocked
+#: 4-bit DequantizeLinear->MatMul into MatMulNBits with accuracy_level 4, which quantizes activations to int8
+#: (0.4-0.8 % relative error), so references for verification use "basic".
+OPT_LEVELS = {
+    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def ort_session(model_path: str | Path, *, threads: int = 0, optimize: str = "all") -> ort.InferenceSession:
+    """A CPU InferenceSession at optimization level ``optimize`` (see :data:`OPT_LEVELS`).
+
+    Raises BackendError with ORT's first message line on failure."""
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
-    if not optimize:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.graph_optimization_level = OPT_LEVELS[optimize]
     try:
         return ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
@@ -36,9 +47,9 @@ def ort_session(model_path: str | Path, *, threads: int = 0, optimize: bool = Tr
 class OrtRunner:
     """Runs an ONNX file on the ONNX Runtime CPU execution provider."""
 
-    def __init__(self, model_path: Path, *, threads: int = 0):
+    def __init__(self, model_path: Path, *, threads: int = 0, optimize: str = "all"):
         self.path = model_path
-        self.session = ort_session(model_path, threads=threads)
+        self.session = ort_session(model_path, threads=threads, optimize=optimize)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
