@@ -33,6 +33,28 @@ def _parse_dims(dims: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
+def _parse_opts(opts: tuple[str, ...]) -> dict[str, dict]:
+    """``--opt quant4.block_size=64`` -> ``{"quant4": {"block_size": 64}}`` (RewriteContext.options).
+
+    Values: ``true``/``false`` -> bool, integer or float literals -> int/float, anything else -> str."""
+    out: dict[str, dict] = {}
+    for o in opts:
+        key, sep, v = o.partition("=")
+        plugin, dot, name = key.strip().partition(".")
+        if not sep or not dot or not plugin or not name:
+            raise click.BadParameter(f"'{o}': expected PLUGIN.KEY=VALUE, e.g. quant4.block_size=64", param_hint="--opt")
+        v = v.strip()
+        value: object = {"true": True, "false": False}.get(v.lower(), v)
+        for conv in (int, float):
+            if isinstance(value, str):
+                try:
+                    value = conv(v)
+                except ValueError:
+                    pass
+        out.setdefault(plugin, {})[name.strip()] = value
+    return out
+
+
 def _load_feeds(path: str | None) -> dict[str, np.ndarray] | None:
     if path is None:
         return None
@@ -76,18 +98,69 @@ def _print_report(report: list[dict]) -> None:
 @click.option("--plugins", "plugin_names", default="", help="Comma-separated short names, applied in order (see 'rewrite plugins').")
 @click.option("--backend", type=click.Choice(["ort", "iree"]), default="ort", show_default=True)
 @click.option("--target", default=None, help="ort: cpu; iree: llvm-cpu (default) or cuda.")
-@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output folder (replaced).")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Output folder (replaced); required unless --dry-run.")
 @click.option("--dim", "dims", multiple=True, help="Fix a symbolic dim, NAME=INT (repeatable).")
+@click.option("--opt", "opts", multiple=True, metavar="PLUGIN.KEY=VALUE", help="A plugin option, e.g. quant4.block_size=64 (repeatable).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write the plugin report as JSON.")
-def apply_cmd(model, plugin_names, backend, target, out_dir, dims, report_path) -> None:
+@click.option("--expect", "expect", multiple=True, metavar="PLUGIN[/RULE]=N",
+              help="Exit with status 3 when PLUGIN (or one rule of it) matches fewer than N times (repeatable).")
+@click.option("--dry-run", is_flag=True, help="Run the plugins in memory and print the report; lower and write nothing (--report still writes the JSON).")
+@click.option("--max-seq", type=int, default=None, help="kv: turn a growing (Concat) KV cache into a static one of this many positions (same as --opt kv.max_seq=N).")
+@click.option("--stateful", is_flag=True, help="iree: keep the KV cache in the compiled module (one util.global); the function takes ids and position.")
+def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful) -> None:
     """Rewrite MODEL with --plugins and lower it for --backend into OUT."""
+    from rewrite.explain import parse_expect, preview, shortfalls
     from rewrite.pipeline import apply
 
-    m = apply(model, out_dir, plugins=plugin_names, backend=backend, target=target, dims=_parse_dims(dims))
-    _print_report(m.report)
+    expected = parse_expect(expect)
+    options = _parse_opts(opts)
+    if max_seq is not None:
+        options.setdefault("kv", {})["max_seq"] = max_seq
+    if stateful:
+        if backend != "iree":
+            raise click.UsageError("--stateful needs --backend iree")
+        options["stateful"] = True
+    if dry_run:
+        report = [r.to_json() for r in preview(model, plugin_names, dims=_parse_dims(dims), backend=backend, options=options)]
+    elif out_dir is None:
+        raise click.UsageError("missing option '-o' / '--out' (or use --dry-run)")
+    else:
+        m = apply(model, out_dir, plugins=plugin_names, backend=backend, target=target, dims=_parse_dims(dims), options=options)
+        report = m.report
+    _print_report(report)
     if report_path:
-        Path(report_path).write_text(json.dumps(m.report, indent=1) + "\n")
-    click.echo(f"wrote {out_dir} ({m.backend}/{m.target}): {', '.join(sorted(m.files.values()) or [m.model])}")
+        Path(report_path).write_text(json.dumps(report, indent=1) + "\n")
+    if dry_run:
+        click.echo("dry run: nothing written" + (f" except {report_path}" if report_path else ""))
+    else:
+        click.echo(f"wrote {out_dir} ({m.backend}/{m.target}): {', '.join(sorted(m.files.values()) or [m.model])}")
+    short = shortfalls(expected, report)
+    if short:
+        for msg in short:
+            click.echo(f"error: {msg}", err=True)
+        sys.exit(3)
+
+
+@cli.command("explain")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--plugins", "plugin_names", required=True, help="Comma-separated short names, run in order as 'apply' runs them.")
+@click.option("--node", default=None, help="Only attempts anchored at, or whose partial match involves, this graph node.")
+@click.option("--dim", "dims", multiple=True, help="Fix a symbolic dim, NAME=INT (repeatable).")
+@click.option("--all", "show_all", is_flag=True, help="Also list the rules that fired.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the explanations as JSON.")
+def explain_cmd(model, plugin_names, node, dims, show_all, json_path) -> None:
+    """Why each rule of --plugins did (not) fire on MODEL: best partial match and the reason it stopped."""
+    from rewrite.explain import explain
+
+    exps = explain(model, plugin_names, node=node, dims=_parse_dims(dims))
+    for e in exps:
+        if show_all or e.status != "fired":
+            click.echo("\n".join(e.lines()))
+    fired = [e for e in exps if e.status == "fired"]
+    if fired and not show_all:
+        click.echo("fired: " + ", ".join(f"{e.plugin}/{e.rule} x{e.matches}" for e in fired))
+    if json_path:
+        Path(json_path).write_text(json.dumps([e.to_json() for e in exps], indent=1) + "\n")
 
 
 @cli.command("run")
@@ -108,6 +181,28 @@ def run_cmd(folder, inputs_path, seed, save_path) -> None:
         click.echo(f"{k:<40} {str(v.dtype):<8} {str(list(v.shape)):<20} {stats}")
     if save_path:
         np.savez(save_path, **outs)
+
+
+@cli.command("generate")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--prompt-ids", required=True, help="Comma-separated prompt token ids, e.g. 1,2,3.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+def generate_cmd(folder, prompt_ids, max_new_tokens) -> None:
+    """Prefill --prompt-ids and decode greedily through FOLDER (stateful or not); print the new token ids."""
+    import time
+
+    from rewrite.generate import Generator
+
+    try:
+        ids = [int(t) for t in prompt_ids.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"'{prompt_ids}': expected comma-separated integers", param_hint="--prompt-ids") from None
+    gen = Generator(folder)
+    t0 = time.perf_counter()
+    res = gen.generate(ids, max_new_tokens)
+    dt = time.perf_counter() - t0
+    click.echo(",".join(str(t) for t in res.tokens))
+    click.echo(f"{len(res.tokens)} tokens in {dt * 1e3:.1f} ms ({'stateful' if gen.state else 'stateless'} {gen.manifest.backend}/{gen.manifest.target})", err=True)
 
 
 @cli.command("verify")

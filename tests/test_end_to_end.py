@@ -2,7 +2,8 @@
 
 Tolerances: relative logits error (max|got-ref| / max|ref|) under 1e-4 in fp32 and 1e-2 in fp16, identical
 greedy tokens. IREE's own lowering of the router TopK is wrong inside these full models (right values, wrong
-indices): verify must fail and --locate must name that TopK, until the router plugin replaces it.
+indices): with ``cast,legalize`` verify must fail and --locate must name that TopK; with the ``topk`` plugin,
+which replaces the router by one kernel dispatch, both models decode on IREE like the original.
 """
 
 from __future__ import annotations
@@ -86,15 +87,30 @@ def test_seed_form_on_ort_decodes_like_the_original(tmp_path, dtype, tol):
     assert rel_error(got[1], ref[1]) < tol
 
 
-def test_seed_form_on_iree_compiles_kv_agrees_topk_located(seed_fp32, tmp_path):
-    path, _ = seed_fp32
+def test_hf_export_on_iree_with_topk_decodes_like_the_original(qwen2_moe_tiny, tmp_path):
     out = tmp_path / "iree"
-    apply(path, out, plugins="cast,legalize", backend="iree")
+    m = apply(qwen2_moe_tiny, out, plugins="cast,legalize,topk", backend="iree")
+    report = {r["plugin"]: {x["rule"]: x["matches"] for x in r["rules"]} for r in m.report}
+    assert report["topk"]["softmax-topk"] == 2 and sum(report["topk"].values()) == 2  # one router per layer
+    assert all(c.ok for c in verify(qwen2_moe_tiny, out))
+    ref = hf_decode(qwen2_moe_tiny, OrtRunner(qwen2_moe_tiny).run)
+    got = hf_decode(qwen2_moe_tiny, load_runner(out).run)
+    assert got[0] == ref[0]
+    assert rel_error(got[1], ref[1]) < 1e-4
+
+
+def test_seed_form_on_iree_with_topk_decodes_like_the_original(seed_fp32, tmp_path):
+    path, weights = seed_fp32
+    out = tmp_path / "iree"
+    m = apply(path, out, plugins="cast,legalize,topk", backend="iree")
+    report = {r["plugin"]: {x["rule"]: x["matches"] for x in r["rules"]} for r in m.report}
+    assert report["topk"]["softmax-topk"] == 2 and sum(report["topk"].values()) == 2
     res = {c.name: c for c in verify(path, out)}
-    assert all(res[f"present_{kv}_{i}"].ok for kv in ("key", "value") for i in range(2))
-    assert not res["logits"].ok
-    loc = locate(path, out, work_dir=tmp_path)
-    assert loc is not None and loc.op_type == "TopK" and loc.node.endswith("mlp/TopK")
+    assert all(c.ok for c in res.values()) and res["logits"].max_rel < 1e-4
+    ref = seed_decode(weights, OrtRunner(path).run)
+    got = seed_decode(weights, load_runner(out).run)
+    assert got[0] == ref[0]
+    assert rel_error(got[1], ref[1]) < 1e-4
 
 
 def test_dim_override_makes_every_decode_shape_static(seed_fp32):

@@ -19,6 +19,7 @@ from rewrite.core.abstract_ops import DOMAIN, registered_ops
 from rewrite.core.feeds import specs_of
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
+from rewrite.stateful import make_module_stateful, split_resources
 
 DEFAULT_PARAM_THRESHOLD = 4096  #: initializers with at least this many elements go to the .irpa
 
@@ -36,12 +37,21 @@ class IreeRunner:
         self.function = manifest.entry_function
         self.input_names = [d["name"] for d in manifest.inputs]
         self.output_names = [d["name"] for d in manifest.outputs]
+        self.state = manifest.state
         self.where = str(folder)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         args = check_feeds(self.input_names, feeds, self.where)
         outs = self.module(*args, function=self.function)
         return dict(zip(self.output_names, outs))
+
+    def reset(self) -> None:
+        """Module state (a stateful KV cache) back to its initial zeros."""
+        self.module.reset()
+
+    def read_state(self) -> dict[str, np.ndarray]:
+        """Each state global's current value by name (manifest ``state``; empty for a stateless module)."""
+        return {s["name"]: self.module(function=s["getter"])[0] for s in self.state}
 
 
 class IreeBackend:
@@ -69,12 +79,15 @@ class IreeBackend:
             raise BackendError(f"no IREE lowering registered for abstract op(s) {', '.join(missing)}")
         if used:
             ctx = PatchContext(folder=folder, target=manifest.target)
-            mlir, _ = patch_module(res.mlir_path.read_text(), {t: ops[t].lower_iree for t in used}, ctx)
+            module, trailer = split_resources(res.mlir_path.read_text())  # patch_module appends before the last "}"
+            mlir, _ = patch_module(module, {t: ops[t].lower_iree for t in used}, ctx)
             left = unlowered_ops(mlir, used)
             if left:
                 raise BackendError(f"abstract op(s) {', '.join(left)} left in {res.mlir_path} after lowering")
-            res.mlir_path.write_text(mlir)
+            res.mlir_path.write_text(mlir + trailer)
             manifest.kernel_objects = list(ctx._kernel_objects)
+        if options.get("stateful"):
+            make_module_stateful(res.mlir_path, res.entry_function, manifest, graph)
         compile_mlir(res.mlir_path, folder / "model.vmfb", target=manifest.target)
         manifest.entry_function = res.entry_function
         manifest.files.update(mlir="model.mlir", vmfb="model.vmfb", compile_log="compile.log")

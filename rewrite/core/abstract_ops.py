@@ -45,6 +45,15 @@ class AbstractOp:
         """MLIR replacing the imported ``torch.operator "onnx.<op_type>"``."""
         raise NotImplementedError(f"{self.op_type} has no IREE lowering")
 
+    #: Optional conformance hook: ``sample_inputs(rng: numpy.random.Generator) -> list[(attrs, inputs)]``,
+    #: ``attrs`` a dict of the node's ONNX attributes and ``inputs`` a list of numpy arrays. Cover several
+    #: shapes, ragged ones included (a row count not a multiple of the kernel's tile, an expert with no
+    #: token). When defined, the conformance kit (:mod:`rewrite.testing.conformance`, check ``kernel-<backend>``)
+    #: lowers each sample as a one-node model for every backend of the plugin and compares it with
+    #: :meth:`reference` (float32 rtol 1e-4, float16 1e-2, integers exact). Each sample costs one compile on
+    #: IREE (~2-4 s): keep the list short.
+    sample_inputs: ClassVar = None
+
 
 def registered_ops() -> dict[str, AbstractOp]:
     """Abstract ops of every available plugin (selected or not), by op_type.

@@ -10,6 +10,7 @@ and node.
 from __future__ import annotations
 
 import copy
+import gc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -74,12 +75,15 @@ def ordered(rules: Sequence[Rule]) -> list[Rule]:
 
 
 def apply_rules(graph: Graph, rules: Sequence[Rule], plugin: str, report: PluginReport, *, dry_run: bool = False) -> int:
-    """Apply ``rules`` greedily until none fires (at most :data:`MAX_ITERATIONS` passes).
+    """Apply ``rules`` greedily until none fires (at most :data:`MAX_ITERATIONS` passes; hitting the bound
+    adds a note to ``report``).
 
     Returns the number of rewrites applied. With ``dry_run`` nothing changes; every first acceptable match is
     counted as a match. Exceptions from rules propagate (``run_plugin`` turns them into PluginError).
     """
     total = 0
+    for r in rules:  # the report lists rules in registration order, whatever order they run in
+        report.rule(r.name)
     rules = ordered(rules)
     for _ in range(MAX_ITERATIONS):
         changed = False
@@ -112,6 +116,8 @@ def apply_rules(graph: Graph, rules: Sequence[Rule], plugin: str, report: Plugin
                 rep.best_partial = trace.best
         if not changed or dry_run:
             break
+    else:
+        report.notes.append(f"stopped after {MAX_ITERATIONS} passes while rules still applied (no fixed point; a rule may re-match its own output)")
     _current[:] = []
     return total
 
@@ -151,14 +157,23 @@ def run_plugin(graph: Graph, plugin: "Plugin", ctx: "object | None" = None, *, d
         PluginError: the plugin raised; the graph is exactly as before the call.
     """
     report = PluginReport(plugin.short)
-    snap = graph.snapshot()
+    # The snapshot and the matcher's bindings create many small containers; with a large model loaded, each
+    # automatic collection rescans every protobuf and IR object (measured: 90% of a snapshot's time at 12k
+    # nodes). Nothing here builds reference cycles worth collecting mid-run.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
-        plugin.run(graph, report, ctx, dry_run=dry_run)
-        if dry_run:
+        snap = graph.snapshot()
+        try:
+            plugin.run(graph, report, ctx, dry_run=dry_run)
+            if dry_run:
+                graph.restore(snap)
+        except Exception as e:  # noqa: BLE001 - any failure must restore the graph
+            rule_name, node = (_current + [None, None])[:2]
+            _current[:] = []
             graph.restore(snap)
-    except Exception as e:  # noqa: BLE001 - any failure must restore the graph
-        rule_name, node = (_current + [None, None])[:2]
-        _current[:] = []
-        graph.restore(snap)
-        raise PluginError(plugin.short, rule_name, node, e) from e
+            raise PluginError(plugin.short, rule_name, node, e) from e
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return report

@@ -277,7 +277,8 @@ class Graph:
         p = self.producer.get(value)
         if p is None:
             return []
-        return [(v, d["in_port"]) for _, v, d in self.nx.out_edges(p[0], data=True) if d["value"] == value]
+        # the adjacency dict directly (same order as out_edges): the view objects cost more than the scan
+        return [(v, d["in_port"]) for v, keyed in self.nx._succ[p[0]].items() for d in keyed.values() if d["value"] == value]
 
     def consumers(self, value: str) -> list[Node]:
         """Distinct nodes reading ``value`` (graph outputs excluded), in graph order."""
@@ -610,12 +611,15 @@ class Graph:
 
     # -------------------------------------------------------------- snapshot
     def snapshot(self) -> dict:
-        """A copy of the mutable state, for :meth:`restore` (initializer data is shared, never copied)."""
+        """A copy of the mutable state, for :meth:`restore` (initializer data is shared, never copied).
+
+        Cheap by design (every plugin run takes one): the edge list and each node's and value's field dict are
+        copied, not the networkx graph or the objects themselves; :meth:`restore` rebuilds from them.
+        """
         return {
-            "nx": self.nx.copy(),
-            "nodes": {k: copy.copy(n) for k, n in self.nodes.items()},
-            "node_lists": {k: (list(n.inputs), list(n.outputs), dict(n.attrs)) for k, n in self.nodes.items()},
-            "values": {k: copy.copy(v) for k, v in self.values.items()},
+            "edges": [(u, v, k, d) for u, nbrs in self.nx._succ.items() for v, keyed in nbrs.items() for k, d in keyed.items()],
+            "nodes": {k: (n, n.__dict__.copy(), list(n.inputs), list(n.outputs), dict(n.attrs)) for k, n in self.nodes.items()},
+            "values": {k: (v, v.__dict__.copy()) for k, v in self.values.items()},
             "producer": dict(self.producer),
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
@@ -625,14 +629,24 @@ class Graph:
     def restore(self, snap: dict) -> None:
         """Return to the state captured by :meth:`snapshot`.
 
-        Installs copies, so later edits leave ``snap`` intact and it can be restored again.
+        Installs copies, so later edits leave ``snap`` intact and it can be restored again. Node and Value
+        objects that existed at the snapshot are reused, with their fields as they were.
         """
-        self.nx = snap["nx"].copy()
-        self.nodes = {k: copy.copy(n) for k, n in snap["nodes"].items()}
-        for k, (i, o, a) in snap["node_lists"].items():
-            n = self.nodes[k]
+        g = nx.MultiDiGraph()
+        g.add_nodes_from((SOURCE, SINK, *snap["nodes"]))
+        g.add_edges_from((u, v, k, dict(d)) for u, v, k, d in snap["edges"])
+        self.nx = g
+        self.nodes = {}
+        for k, (n, fields, i, o, a) in snap["nodes"].items():
+            n.__dict__.clear()
+            n.__dict__.update(fields)
             n.inputs, n.outputs, n.attrs = list(i), list(o), dict(a)
-        self.values = {k: copy.copy(v) for k, v in snap["values"].items()}
+            self.nodes[k] = n
+        self.values = {}
+        for k, (v, fields) in snap["values"].items():
+            v.__dict__.clear()
+            v.__dict__.update(fields)
+            self.values[k] = v
         self.producer = dict(snap["producer"])
         self.inputs, self.outputs, self.initializers = list(snap["inputs"]), list(snap["outputs"]), list(snap["initializers"])
 

@@ -7,7 +7,8 @@ Further pattern outputs are anchored only among nodes downstream (within the pat
 already bound, never by trying every combination of candidate nodes.
 
 When a match fails, :class:`MatchTrace` keeps the deepest partial match and the reason it stopped, which
-``rewrite explain`` and the report show.
+``rewrite explain`` and the report show. Call sites test ``trace.deeper(b)`` before ``trace.fail(...)`` so a
+reason is only formatted when it is kept (most attempts fail shallowly, at every anchor).
 """
 
 from __future__ import annotations
@@ -35,36 +36,63 @@ class Binding:
     names: dict[str, int] = field(default_factory=dict)  # NodePattern.name -> graph node id
 
     def extend(self, **kw) -> "Binding":
-        b = Binding(dict(self.values), dict(self.nodes), dict(self.attrs), dict(self.symbols), dict(self.names))
+        """A new binding with ``field=(key, value)`` added; unchanged dicts are shared (never mutated in place)."""
+        b = Binding(self.values, self.nodes, self.attrs, self.symbols, self.names)
         for k, (key, val) in kw.items():
-            getattr(b, k)[key] = val
+            setattr(b, k, {**getattr(self, k), key: val})
         return b
 
 
 @dataclass
 class Failure:
-    """Why a (partial) match stopped: a reason and the graph node or value it is about."""
+    """Why a (partial) match stopped: a reason and the graph node or value it is about.
+
+    ``pairs`` lists, in the order they were matched, each pattern node (its ``_name``, else its op type,
+    numbered ``Cast#2`` when the pattern has several) and the graph node it matched. ``anchor`` is the graph
+    node where the match was anchored (producer of the pattern's output 0).
+    """
 
     reason: str
     node: str | None = None  # graph node name
     matched: int = 0  # pattern nodes matched when it stopped
     pairs: list[tuple[str, str]] = field(default_factory=list)  # (pattern node label, graph node name)
+    anchor: str | None = None
 
     def __str__(self) -> str:
         return f"{self.reason}" + (f" (at node '{self.node}')" if self.node else "")
 
 
 class MatchTrace:
-    """Collects the deepest failure seen while trying one rule (the best partial match)."""
+    """Collects the deepest failure seen while trying one rule (the best partial match).
 
-    def __init__(self) -> None:
+    Args:
+        labels: pattern node id -> label for the pairs (see :meth:`Pattern.labels`); ids otherwise.
+    """
+
+    def __init__(self, labels: dict[int, str] | None = None) -> None:
         self.best: Failure | None = None
+        self.labels: dict[int, str] = dict(labels or {})
+        self.anchor: str | None = None  # set by the matcher for each anchor it tries
+        self._depth: tuple[int, int] = (-1, -1)  # (pattern nodes, variables) bound at the best failure
+
+    def deeper(self, b: Binding) -> bool:
+        """Whether a failure at ``b`` would replace the best one: more pattern nodes matched, or as many and
+        more variables bound (so a later alternative of an Or that got further wins over an earlier one)."""
+        return self.best is None or (len(b.nodes), len(b.values)) > self._depth
 
     def fail(self, reason: str, b: Binding, g: Graph, node: Node | None = None) -> None:
-        depth = len(b.nodes)
-        if self.best is None or depth > self.best.matched:
-            pairs = [(pid, g.nodes[nid].name) for pid, nid in b.names.items()]
-            self.best = Failure(reason, node.name if node is not None else None, depth, pairs)
+        if self.deeper(b):
+            pairs = [(self.labels.get(pid, str(pid)), node_label(g.nodes[nid])) for pid, nid in b.nodes.items()]
+            self.best = Failure(reason, node.name if node is not None else None, len(b.nodes), pairs, self.anchor)
+            self._depth = (len(b.nodes), len(b.values))
+
+
+_UNBOUND = object()
+
+
+def node_label(n: Node) -> str:
+    """A graph node's name, or ``<OpType -> first output>`` for an unnamed node (names are optional in ONNX)."""
+    return n.name or f"<{n.op_type} -> {next((o for o in n.outputs if o), '')}>"
 
 
 def _dtype_ok(want, dtype) -> bool:
@@ -88,11 +116,14 @@ class Matcher:
         self.g = graph
         self.p = pattern
         self.trace = trace or MatchTrace()
+        if not self.trace.labels:
+            self.trace.labels = pattern.labels()
 
     # ----------------------------------------------------------------- entry
     def match_at(self, anchor: Node) -> Iterator[Binding]:
         """All complete bindings whose output 0 is produced by ``anchor``."""
         first = self.p.outputs[0]
+        self.trace.anchor = anchor.name
         for port, val in enumerate(anchor.outputs):
             if not val:
                 continue
@@ -160,11 +191,11 @@ class Matcher:
                 if vp.optional:
                     yield b
                 else:
-                    self.trace.fail(f"input '{vp.name}' is absent", b, g)
+                    self.trace.deeper(b) and self.trace.fail(f"input '{vp.name}' is absent", b, g)
                 return
             if vp.name in b.values:
                 if b.values[vp.name] != val:
-                    self.trace.fail(f"'{vp.name}' bound to '{b.values[vp.name]}' and '{val}'", b, g)
+                    self.trace.deeper(b) and self.trace.fail(f"'{vp.name}' bound to '{b.values[vp.name]}' and '{val}'", b, g)
                     return
                 yield b
                 return
@@ -172,7 +203,7 @@ class Matcher:
             if v is None:
                 return
             if not _dtype_ok(vp.dtype, v.dtype):
-                self.trace.fail(f"'{vp.name}' ({val}) has dtype {v.type_str()}, pattern wants {vp.dtype}", b, g)
+                self.trace.deeper(b) and self.trace.fail(f"'{vp.name}' ({val}) has dtype {v.type_str()}, pattern wants {vp.dtype}", b, g)
                 return
             if isinstance(vp, Var):
                 if vp.shape is not None:
@@ -183,12 +214,12 @@ class Matcher:
                 if vp.check is not None:
                     r = vp.check(v)
                     if r is not True and r is not None:
-                        self.trace.fail(r if isinstance(r, str) else f"check on '{vp.name}' ({val}) refused", b, g)
+                        self.trace.deeper(b) and self.trace.fail(r if isinstance(r, str) else f"check on '{vp.name}' ({val}) refused", b, g)
                         return
             else:
                 data = g.const(val)
                 if data is None:
-                    self.trace.fail(f"'{vp.name}' ({val}) is not a constant", b, g)
+                    self.trace.deeper(b) and self.trace.fail(f"'{vp.name}' ({val}) is not a constant", b, g)
                     return
                 if vp.value is not None:
                     want = np.asarray(vp.value)
@@ -199,48 +230,48 @@ class Matcher:
                     except ValueError:
                         same = False
                     if not same:
-                        self.trace.fail(f"constant '{vp.name}' ({val}) is {data.tolist()}, pattern wants {want.tolist()}", b, g)
+                        self.trace.deeper(b) and self.trace.fail(f"constant '{vp.name}' ({val}) is {data.tolist()}, pattern wants {want.tolist()}", b, g)
                         return
                 if vp.check is not None:
                     r = vp.check(data)
                     if r is not True and r is not None:
-                        self.trace.fail(r if isinstance(r, str) else f"check on constant '{vp.name}' refused", b, g)
+                        self.trace.deeper(b) and self.trace.fail(r if isinstance(r, str) else f"check on constant '{vp.name}' refused", b, g)
                         return
             yield b.extend(values=(vp.name, val))
             return
         assert isinstance(vp, NodeOut)
         if not val:
-            self.trace.fail(f"an input of {vp.node.label()} is absent", b, g)
+            self.trace.deeper(b) and self.trace.fail(f"an input of {vp.node.label()} is absent", b, g)
             return
         n = g.producer_node(val)
         if n is None:
-            self.trace.fail(f"'{val}' is a graph input or initializer, pattern wants the output of {vp.node.label()}", b, g)
+            self.trace.deeper(b) and self.trace.fail(f"'{val}' is a graph input or initializer, pattern wants the output of {vp.node.label()}", b, g)
             return
         if vp.port >= len(n.outputs) or n.outputs[vp.port] != val:
-            self.trace.fail(f"'{val}' is output {n.outputs.index(val)} of {n.describe()}, pattern wants output {vp.port}", b, g, n)
+            self.trace.deeper(b) and self.trace.fail(f"'{val}' is output {n.outputs.index(val)} of {n.describe()}, pattern wants output {vp.port}", b, g, n)
             return
         yield from self._node(vp.node, n, b)
 
     def _shape(self, vp: Var, v, b: Binding) -> Binding | None:
         want = vp.shape
         if v.shape is None or len(v.shape) != len(want):
-            self.trace.fail(f"'{vp.name}' has shape {v.type_str()}, pattern wants rank {len(want)}", b, self.g)
+            self.trace.deeper(b) and self.trace.fail(f"'{vp.name}' has shape {v.type_str()}, pattern wants rank {len(want)}", b, self.g)
             return None
         for w, d in zip(want, v.shape):
             if w is None:
                 continue
             if isinstance(w, int):
                 if d != w:
-                    self.trace.fail(f"'{vp.name}' has shape {v.type_str()}, pattern wants {want}", b, self.g)
+                    self.trace.deeper(b) and self.trace.fail(f"'{vp.name}' has shape {v.type_str()}, pattern wants {want}", b, self.g)
                     return None
             else:  # a symbol: bind consistently
                 if w in b.symbols:
                     if b.symbols[w] != d or d is None:
-                        self.trace.fail(f"shape symbol '{w}' is {b.symbols[w]} and {d}", b, self.g)
+                        self.trace.deeper(b) and self.trace.fail(f"shape symbol '{w}' is {b.symbols[w]} and {d}", b, self.g)
                         return None
                 else:
                     if d is None:
-                        self.trace.fail(f"'{vp.name}' dim for symbol '{w}' is unknown", b, self.g)
+                        self.trace.deeper(b) and self.trace.fail(f"'{vp.name}' dim for symbol '{w}' is unknown", b, self.g)
                         return None
                     b = b.extend(symbols=(w, d))
         return b
@@ -252,63 +283,64 @@ class Matcher:
             if b.nodes[np_.id] == n.id:
                 yield b
             else:
-                self.trace.fail(f"{np_.label()} bound to two different nodes", b, g, n)
+                self.trace.deeper(b) and self.trace.fail(f"{np_.label()} bound to two different nodes", b, g, n)
             return
         if n.id in b.nodes.values():
-            self.trace.fail(f"node {n.describe()} already matched by another pattern node", b, g, n)
+            self.trace.deeper(b) and self.trace.fail(f"node {n.describe()} already matched by another pattern node", b, g, n)
             return
         if n.op_type not in np_.op_types or n.domain != np_.domain:
-            self.trace.fail(f"{n.describe()} is not {np_.label()}", b, g, n)
+            self.trace.deeper(b) and self.trace.fail(f"{n.describe()} is not {np_.label()}", b, g, n)
             return
         if len(n.outputs) < np_.num_outputs:
-            self.trace.fail(f"{n.describe()} has {len(n.outputs)} outputs, pattern wants {np_.num_outputs}", b, g, n)
+            self.trace.deeper(b) and self.trace.fail(f"{n.describe()} has {len(n.outputs)} outputs, pattern wants {np_.num_outputs}", b, g, n)
             return
+        new_attrs: dict[str, Any] = {}
         for name, want in np_.attrs.items():
             got = n.attr(name, None)
             if isinstance(want, AttrVar):
                 if got is None:
                     got = want.default
                 if got is None:
-                    self.trace.fail(f"{n.describe()} has no attribute '{name}'", b, g, n)
+                    self.trace.deeper(b) and self.trace.fail(f"{n.describe()} has no attribute '{name}'", b, g, n)
                     return
                 if isinstance(got, np.ndarray):
                     got = got.tolist()
-                if want.name in b.attrs and b.attrs[want.name] != got:
-                    self.trace.fail(f"attribute '{name}' of {n.describe()} is {got}, already bound to {b.attrs[want.name]}", b, g, n)
+                bound = new_attrs.get(want.name, b.attrs.get(want.name, _UNBOUND))
+                if bound is not _UNBOUND and bound != got:
+                    self.trace.deeper(b) and self.trace.fail(f"attribute '{name}' of {n.describe()} is {got}, already bound to {bound}", b, g, n)
                     return
                 if want.check is not None:
                     r = want.check(got)
                     if r is not True and r is not None:
-                        self.trace.fail(r if isinstance(r, str) else f"attribute '{name}'={got} of {n.describe()} refused", b, g, n)
+                        self.trace.deeper(b) and self.trace.fail(r if isinstance(r, str) else f"attribute '{name}'={got} of {n.describe()} refused", b, g, n)
                         return
-                b = b.extend(attrs=(want.name, got))
+                new_attrs[want.name] = got
             else:
                 want_c = _as_stored(name, want)
                 if isinstance(got, (list, np.ndarray)):
                     got = list(np.asarray(got).tolist())
                     want_c = list(np.asarray(want_c).tolist())
                 if got != want_c:
-                    self.trace.fail(f"attribute '{name}' of {n.describe()} is {got}, pattern wants {want}", b, g, n)
+                    self.trace.deeper(b) and self.trace.fail(f"attribute '{name}' of {n.describe()} is {got}, pattern wants {want}", b, g, n)
                     return
         if np_.check is not None:
             r = np_.check(n)
             if r is not True and r is not None:
-                self.trace.fail(r if isinstance(r, str) else f"check on {n.describe()} refused", b, g, n)
+                self.trace.deeper(b) and self.trace.fail(r if isinstance(r, str) else f"check on {n.describe()} refused", b, g, n)
                 return
-        b = b.extend(nodes=(np_.id, n.id))
-        if np_.name:
-            b = b.extend(names=(np_.name, n.id))
+        b = Binding(b.values, {**b.nodes, np_.id: n.id}, {**b.attrs, **new_attrs} if new_attrs else b.attrs, b.symbols,
+                    {**b.names, np_.name: n.id} if np_.name else b.names)
         ins = list(n.inputs)
         while ins and ins[-1] == "":
             ins.pop()
         pats = np_.inputs
         if np_.variadic:
             if len(ins) < len(pats) - 1:
-                self.trace.fail(f"{n.describe()} has {len(ins)} inputs, pattern wants at least {len(pats) - 1}", b, g, n)
+                self.trace.deeper(b) and self.trace.fail(f"{n.describe()} has {len(ins)} inputs, pattern wants at least {len(pats) - 1}", b, g, n)
                 return
             pats = pats[:-1] + [_variadic_at(pats[-1], k) for k in range(len(ins) - len(pats) + 1)]
         elif len(ins) > len(pats) and not np_.allow_other_inputs:
-            self.trace.fail(f"{n.describe()} has {len(ins)} inputs, pattern wants {len(pats)}", b, g, n)
+            self.trace.deeper(b) and self.trace.fail(f"{n.describe()} has {len(ins)} inputs, pattern wants {len(pats)}", b, g, n)
             return
         ins = ins + [""] * max(0, len(pats) - len(ins))
         orders = [list(range(len(pats)))]
@@ -410,7 +442,12 @@ class Match:
     def fail(self, reason: str, node: Node | str | None = None) -> Failure:
         """A refusal for a rule's check to return: ``return m.fail("Cast FLOAT->FLOAT16 is lossy", m.node("inner"))``."""
         name = node.name if isinstance(node, Node) else node
-        return Failure(reason, name or self.anchor.name, len(self.nodes))
+        return Failure(reason, name or self.anchor.name, len(self.nodes), self.pairs(), self.anchor.name)
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(pattern node label, graph node name) for every matched pattern node."""
+        labels = self.pattern.labels()
+        return [(labels[pid], node_label(self.graph.nodes[nid])) for pid, nid in self.binding.nodes.items()]
 
     def used_outside(self) -> list[str]:
         """Intermediate values (not pattern outputs) read by a node outside the match or by the graph outputs."""

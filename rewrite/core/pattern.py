@@ -21,6 +21,19 @@ Building blocks
 * :class:`Or`: one of several alternative sub-patterns, tried in order with backtracking.
 * Commutative ops (:data:`COMMUTATIVE`) match their two inputs in either order; no rule copies are needed.
 * Reusing a Python variable reuses the pattern: a variable bound twice must bind the same graph value.
+* :func:`subpattern`: a pattern function called from another pattern function. Each call builds fresh
+  nodes, and the Vars, Consts, AttrVars and node ``_name`` s created inside it are scoped to that call
+  (``<scope>.<name>``), so calling it twice does not force both calls to bind the same values::
+
+      @subpattern
+      def rms_norm(op, x):
+          var = op.ReduceMean(op.Pow(x, Const("two", value=2.0)), _name="mean")
+          return op.Mul(op.Div(x, op.Sqrt(op.Add(var, Const("eps")))), Var("weight"), _name="scale")
+
+      def two_norms(op, x, y):
+          return rms_norm(op, x, _scope="q"), rms_norm(op, y, _scope="k")   # m["q.weight"], m.node("k.scale")
+
+  Without ``_scope`` the scope is ``<function name>#<k>`` for the k-th call (1-based) within the pattern.
 """
 
 from __future__ import annotations
@@ -94,7 +107,10 @@ class NodePattern:
 
     @property
     def op_types(self) -> tuple[str, ...]:
-        return self.op_type if isinstance(self.op_type, tuple) else (self.op_type,)
+        return self._op_types
+
+    def __post_init__(self) -> None:
+        self._op_types = self.op_type if isinstance(self.op_type, tuple) else (self.op_type,)
 
     @property
     def commutative(self) -> bool:
@@ -124,6 +140,7 @@ class OpBuilder:
 
     def __init__(self, domain: str = ""):
         self._domain = domain
+        self._calls: dict[str, int] = {}  # subpattern name -> calls so far (default scopes)
 
     def __getattr__(self, op_type: str) -> Callable[..., Any]:
         if op_type.startswith("__"):
@@ -162,6 +179,55 @@ class OpBuilder:
     def any_of(self, op_types: Sequence[str], *inputs, **kw):
         """A node whose op_type is any of ``op_types`` (e.g. ``("Gemm", "MatMul")`` is not equivalent; use with care)."""
         return getattr(self, op_types[0])(*inputs, _op_types=tuple(op_types), **kw)
+
+
+def subpattern(fn: Callable) -> Callable:
+    """Decorator: ``fn(op, *inputs, **kw)`` becomes a reusable pattern fragment (see the module docstring).
+
+    Called as ``fn(op, *inputs, _scope=None, **kw)`` from inside another pattern function; returns what ``fn``
+    returns. Pattern objects passed in as arguments keep their names; everything ``fn`` creates is renamed
+    ``<scope>.<name>``. Shape symbols (``"B"``, ``"S"``) are not scoped: they bind across the whole pattern.
+
+    Raises:
+        TypeError: called without an :class:`OpBuilder` as first argument.
+    """
+
+    def call(op: OpBuilder, *args: Any, _scope: str | None = None, **kw: Any) -> Any:
+        if not isinstance(op, OpBuilder):
+            raise TypeError(f"subpattern {fn.__name__} must be called with the op builder first, got {type(op).__name__}")
+        if _scope is None:
+            op._calls[fn.__name__] = op._calls.get(fn.__name__, 0) + 1
+            _scope = f"{fn.__name__}#{op._calls[fn.__name__]}"
+        start = next(_counter)  # node patterns created by this call have larger ids
+        out = fn(op, *args, **kw)
+        outer = {id(a) for a in itertools.chain(args, kw.values())}
+        done: set[int] = set()
+
+        def scope(v: Any) -> None:
+            if v is None or id(v) in outer or id(v) in done:
+                return
+            done.add(id(v))
+            if isinstance(v, (Var, Const, AttrVar)):
+                v.name = f"{_scope}.{v.name}"
+            elif isinstance(v, Or):
+                for a in v.alternatives:
+                    scope(a)
+            elif isinstance(v, NodeOut) and v.node.id > start and id(v.node) not in done:
+                done.add(id(v.node))
+                if v.node.name:
+                    v.node.name = f"{_scope}.{v.node.name}"
+                for a in v.node.attrs.values():
+                    if isinstance(a, AttrVar):
+                        scope(a)
+                for i in v.node.inputs:
+                    scope(i)
+
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            scope(o)
+        return out
+
+    call.__name__, call.__doc__, call.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore[attr-defined]
+    return call
 
 
 @dataclass(eq=False)
@@ -211,6 +277,36 @@ class Pattern:
         for o in self.outputs:
             visit(o)
         return list(seen.values())
+
+    def labels(self) -> dict[int, str]:
+        """NodePattern id -> label for reports: its ``_name``, else its op type, numbered (``Cast#2``) when the
+        pattern has several unnamed nodes of that type (numbered in :meth:`node_patterns` order)."""
+        nodes = self.node_patterns()
+        counts: dict[str, int] = {}
+        for n in nodes:
+            if not n.name:
+                counts[n.label()] = counts.get(n.label(), 0) + 1
+        seen: dict[str, int] = {}
+        out = {}
+        for n in nodes:
+            lab = n.label()
+            if not n.name and counts[lab] > 1:
+                seen[lab] = seen.get(lab, 0) + 1
+                lab = f"{lab}#{seen[lab]}"
+            out[n.id] = lab
+        return out
+
+    def max_nodes(self) -> int:
+        """Pattern nodes a complete match binds, taking the largest alternative of each :class:`Or`."""
+
+        def nodes(v: ValuePattern | None) -> frozenset[int]:
+            if isinstance(v, NodeOut):
+                return frozenset({v.node.id}).union(*(nodes(i) for i in v.node.inputs))
+            if isinstance(v, Or):
+                return max((nodes(a) for a in v.alternatives), key=len, default=frozenset())
+            return frozenset()
+
+        return len(frozenset().union(*(nodes(o) for o in self.outputs)))
 
     @property
     def size(self) -> int:

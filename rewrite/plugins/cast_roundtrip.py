@@ -47,3 +47,34 @@ class CastRoundtrip(Plugin):
     @property
     def rules(self):
         return [cast_roundtrip]
+
+    @property
+    def cases(self):
+        from onnx import TensorProto as TP
+        from onnx import helper
+
+        from rewrite.testing.cases import negative, positive
+
+        def chain(t: int, w: int, back: int, *, tap: bool = False):
+            """X: t[2,8] -> Softmax (floats) or Neg -> Cast(to=w) -> Cast(to=back) -> Mul by itself -> Y;
+            with ``tap`` the inner Cast's output is also a graph output (the inner Cast must stay)."""
+            f = t in (TP.FLOAT, TP.FLOAT16, TP.BFLOAT16, TP.DOUBLE)
+            nodes = [
+                helper.make_node("Softmax" if f else "Neg", ["X"], ["S"], name="src"),
+                helper.make_node("Cast", ["S"], ["W"], to=w, name="inner"),
+                helper.make_node("Cast", ["W"], ["B"], to=back, name="outer"),
+                helper.make_node("Mul", ["B", "B"], ["Y"], name="use"),
+            ]
+            outs = [helper.make_tensor_value_info("Y", back, [2, 8])] + ([helper.make_tensor_value_info("W", w, [2, 8])] if tap else [])
+            g = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("X", t, [2, 8])], outs)
+            return lambda: helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+        return [
+            positive("f16-f32-f16-after-softmax", chain(TP.FLOAT16, TP.FLOAT, TP.FLOAT16), matches=1),
+            positive("int8-int32-int8-inner-read-elsewhere", chain(TP.INT8, TP.INT32, TP.INT8, tap=True), matches=1),
+            negative("lossy-f32-f16-f32", chain(TP.FLOAT, TP.FLOAT16, TP.FLOAT)),
+            negative("lossy-f32-bf16-f32", chain(TP.FLOAT, TP.BFLOAT16, TP.FLOAT)),
+            negative("lossy-f16-bf16-f16", chain(TP.FLOAT16, TP.BFLOAT16, TP.FLOAT16)),
+            negative("lossy-int32-f32-int32", chain(TP.INT32, TP.FLOAT, TP.INT32)),
+            negative("not-a-roundtrip-f16-f32-f64", chain(TP.FLOAT16, TP.FLOAT, TP.DOUBLE)),
+        ]

@@ -201,6 +201,59 @@ class Legalize(Plugin):
     def rules(self):
         return [dequantize_block, exact_4bit_cast]
 
+    @property
+    def cases(self):
+        from onnx import helper, numpy_helper
+
+        from rewrite.testing.cases import negative, positive
+
+        def model(nodes, inputs, out, inits=(), opset=21):
+            g = helper.make_graph(nodes, "main_graph", inputs, [out], list(inits))
+            return lambda: helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+        rng = np.random.default_rng(0)
+        codes = numpy_helper.from_array(rng.integers(0, 16, (3, 8, 6)).astype(np.uint8), "codes")
+        scale = numpy_helper.from_array(rng.uniform(0.01, 0.1, (3, 2, 6)).astype(np.float32), "scale")
+        zp = numpy_helper.from_array(rng.integers(0, 16, (3, 2, 6)).astype(np.uint8), "zp")
+        idx = helper.make_tensor_value_info("expert", TensorProto.INT64, [1])
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6])
+        # the seed's expert weights: uint8 codes Gathered, Cast to UINT4, blocked DequantizeLinear, MatMul
+        seed_form = model([
+            helper.make_node("Gather", ["codes", "expert"], ["g1"], axis=0),
+            helper.make_node("Squeeze", ["g1", "ax0"], ["g"]),
+            helper.make_node("Cast", ["g"], ["q"], to=TensorProto.UINT4),
+            helper.make_node("Gather", ["zp", "expert"], ["gz1"], axis=0),
+            helper.make_node("Squeeze", ["gz1", "ax0"], ["gz"]),
+            helper.make_node("Cast", ["gz"], ["qz"], to=TensorProto.UINT4),
+            helper.make_node("Gather", ["scale", "expert"], ["s1"], axis=0),
+            helper.make_node("Squeeze", ["s1", "ax0"], ["s"]),
+            helper.make_node("DequantizeLinear", ["q", "s", "qz"], ["w"], axis=0, block_size=4, name="dq"),
+            helper.make_node("MatMul", ["x", "w"], ["y"]),
+        ], [x, idx], y, [codes, scale, zp, numpy_helper.from_array(np.array([0], np.int64), "ax0")])
+        per_axis = model(
+            [helper.make_node("DequantizeLinear", ["q8", "s8"], ["y"], axis=0, name="dq")],
+            [helper.make_tensor_value_info("q8", TensorProto.INT8, [4, 8])], helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8]),
+            [numpy_helper.from_array(np.linspace(0.1, 1, 4).astype(np.float32), "s8")],
+        )
+        dynamic_after_axis = model(
+            [helper.make_node("DequantizeLinear", ["q8", "s8"], ["y"], axis=1, block_size=4, name="dq")],
+            [helper.make_tensor_value_info("q8", TensorProto.INT8, [2, 8, "M"]), helper.make_tensor_value_info("s8", TensorProto.FLOAT, [2, 2, "M"])],
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, "M"]),
+        )
+        runtime_axes = model(
+            [helper.make_node("ReduceSum", ["r", "axes"], ["y"], keepdims=1, name="reduce")],
+            [helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 3, 4]), helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None), opset=18,
+        )
+        return [
+            positive("seed-form-uint4-blocked-dequantize", seed_form, matches={"dequantize-block": 1, "exact-4bit-cast": 2},
+                     feeds=lambda m: {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32), "expert": np.array([2], np.int64)}),
+            negative("per-axis-dequantize", per_axis),
+            negative("dequantize-dynamic-dims-after-axis", dynamic_after_axis),
+            negative("reduce-axes-at-run-time", runtime_axes),
+        ]
+
     def run(self, graph, report, ctx=None, *, dry_run=False):
         super().run(graph, report, ctx, dry_run=dry_run)
         if dry_run:

@@ -1,0 +1,157 @@
+// MoE router top-k for IREE llvm-cpu, linked statically (see rewrite/plugins/router.py, MoERouterTopK).
+//
+// Bare metal: no libc, no libm (built with -ffreestanding -fno-builtin); exp and the f16 <-> f32 conversions
+// are implemented here. One workgroup routes ROUTER_TOPK_TOKENS consecutive tokens; per token:
+//   mode 0 (softmax_topk): p = softmax(x) over all E experts (f32 result, exp and sum in double),
+//                          then the k largest p;
+//   mode 1 (topk_softmax): the k largest logits x, then softmax over those k;
+//   normalize: w /= sum(w) over the k selected weights.
+// Selection is O(k*E): each round takes the largest value ordered after the previous pick in
+// (value descending, index ascending) order, so among equal values the lower index comes first
+// (ONNX TopK-11: "the element with the lower index will appear first"). NaN logits give unspecified
+// (but in-bounds) indices.
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef ROUTER_TOPK_MAX_EXPERTS
+#define ROUTER_TOPK_MAX_EXPERTS 1024
+#endif
+#ifndef ROUTER_TOPK_TOKENS
+#define ROUTER_TOPK_TOKENS 64
+#endif
+
+typedef union { uint32_t u; float f; } f32_bits;
+typedef union { uint64_t u; double d; } f64_bits;
+
+// IEEE 754 binary16 -> binary32, exact for every pattern (subnormals, infinities, NaN payloads).
+float rewrite_router_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  f32_bits r;
+  if (e == 0x1fu) {
+    r.u = sign | 0x7f800000u | (m << 13);
+  } else if (e == 0) {
+    r.f = (float)m * 5.9604644775390625e-08f;  // m * 2^-24: exact (m < 2^10, power-of-two scale)
+    r.u |= sign;
+  } else {
+    r.u = sign | ((e + 112u) << 23) | (m << 13);
+  }
+  return r.f;
+}
+
+// binary32 -> binary16, round to nearest even (IEEE 754 §4.3.1), overflow to infinity, NaN kept quiet.
+uint16_t rewrite_router_f32_to_f16(float f) {
+  f32_bits v = {.f = f};
+  uint16_t sign = (uint16_t)((v.u >> 16) & 0x8000u);
+  uint32_t ax = v.u & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? (uint16_t)(0x200u | ((ax >> 13) & 0x3ffu)) : 0);
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
+  if (ax < 0x38800000u) {                        // below 2^-14: subnormal or zero
+    if (ax <= 0x33000000u) return sign;          // <= 2^-25 rounds to 0 (2^-25 is a tie, to even)
+    uint32_t e = ax >> 23, mant = (ax & 0x7fffffu) | 0x800000u, shift = 126u - e;
+    uint32_t r = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return sign | (uint16_t)r;
+  }
+  uint32_t r = ax - 0x38000000u;  // rebias the exponent from 127 to 15
+  uint32_t h = r >> 13, rem = r & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is still right
+  return sign | (uint16_t)h;
+}
+
+// e^x in double: n = round(x / ln 2), r = x - n ln 2 (Cody-Waite split, exact for |n| < 2^11), degree-11
+// Taylor polynomial on |r| <= 0.347 (truncation < 2e-14 relative), scaled by 2^n. Results below 2^-1022
+// (x < -708) are flushed to 0: no float result of this kernel can see them.
+static double exp_d(double x) {
+  if (x != x) return x;
+  if (x < -708.0) return 0.0;
+  if (x > 709.0) {
+    f64_bits inf = {.u = 0x7ff0000000000000ull};
+    return inf.d;
+  }
+  double kd = x * 1.4426950408889634;
+  int64_t n = (int64_t)(kd + (kd >= 0.0 ? 0.5 : -0.5));
+  double r = (x - (double)n * 6.93147180369123816490e-01) - (double)n * 1.90821492927058770002e-10;
+  double p = 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  f64_bits scale = {.u = (uint64_t)(n + 1023) << 52};
+  return p * scale.d;
+}
+
+// expf through exp_d, rounded once to float; exported for the accuracy test against numpy.
+float rewrite_router_expf(float x) { return (float)exp_d((double)x); }
+
+// One token: x[e] logits (f16 when xh is set, else xf) -> idx[k], weights written as f32 (wf) or f16 (wh).
+static void route(const uint16_t* xh, const float* xf, size_t e, size_t k, size_t mode, size_t normalize,
+                  float* wf, uint16_t* wh, int64_t* idx, float* buf) {
+  for (size_t j = 0; j < e; ++j) buf[j] = xh ? rewrite_router_f16_to_f32(xh[j]) : xf[j];
+  if (mode == 0) {
+    float m = buf[0];
+    for (size_t j = 1; j < e; ++j) if (buf[j] > m) m = buf[j];
+    double s = 0.0;
+    for (size_t j = 0; j < e; ++j) s += exp_d((double)buf[j] - (double)m);
+    for (size_t j = 0; j < e; ++j) buf[j] = (float)(exp_d((double)buf[j] - (double)m) / s);
+  }
+  float pv = 0.0f;
+  size_t pi = 0;
+  for (size_t r = 0; r < k; ++r) {
+    size_t best = e;
+    for (size_t j = 0; j < e; ++j) {
+      float v = buf[j];
+      if (r > 0 && !(v < pv || (v == pv && j > pi))) continue;
+      if (best == e || v > buf[best]) best = j;
+    }
+    if (best == e) best = 0;  // only with NaN scores
+    idx[r] = (int64_t)best;
+    pv = buf[best];
+    pi = best;
+  }
+  // Weights overwrite buf at the selected (distinct) positions once every value they depend on is read.
+  if (mode == 1) {
+    double m = (double)buf[idx[0]], s = 0.0;
+    for (size_t r = 0; r < k; ++r) s += exp_d((double)buf[idx[r]] - m);
+    for (size_t r = 0; r < k; ++r) buf[idx[r]] = (float)(exp_d((double)buf[idx[r]] - m) / s);
+  }
+  if (normalize) {
+    double s = 0.0;
+    for (size_t r = 0; r < k; ++r) s += (double)buf[idx[r]];
+    for (size_t r = 0; r < k; ++r) buf[idx[r]] = (float)((double)buf[idx[r]] / s);
+  }
+  for (size_t r = 0; r < k; ++r) {
+    if (wh) wh[r] = rewrite_router_f32_to_f16(buf[idx[r]]);
+    else wf[r] = buf[idx[r]];
+  }
+}
+
+// Workgroup `wg` routes tokens [wg*ROUTER_TOPK_TOKENS, min(t, (wg+1)*ROUTER_TOPK_TOKENS)) of x[t, e] into
+// w[t, k] and idx[t, k] (row-major, llvm.bareptr ABI: base pointer then element offset per buffer).
+static void route_block(const uint16_t* xh, const float* xf, float* wf, uint16_t* wh, int64_t* idx,
+                        size_t t, size_t e, size_t k, size_t wg, size_t mode, size_t normalize) {
+  float buf[ROUTER_TOPK_MAX_EXPERTS];
+  if (e == 0 || e > ROUTER_TOPK_MAX_EXPERTS || k == 0 || k > e) return;  // the lowering refuses these
+  size_t t0 = wg * ROUTER_TOPK_TOKENS, t1 = t0 + ROUTER_TOPK_TOKENS < t ? t0 + ROUTER_TOPK_TOKENS : t;
+  for (size_t i = t0; i < t1; ++i)
+    route(xh ? xh + i * e : 0, xf ? xf + i * e : 0, e, k, mode, normalize, wf ? wf + i * k : 0,
+          wh ? wh + i * k : 0, idx + i * k, buf);
+}
+
+#define ROUTER_ENTRY(NAME, XT, WT, XH, XF, WF, WH)                                                          \
+  void NAME(const XT* x, size_t x_off, WT* w, size_t w_off, int64_t* idx, size_t idx_off, size_t t,        \
+            size_t e, size_t k, size_t wg, size_t mode, size_t normalize) {                                \
+    route_block(XH, XF, WF, WH, idx + idx_off, t, e, k, wg, mode, normalize);                               \
+  }
+
+ROUTER_ENTRY(router_topk_f32_f32_workgroup, float, float, 0, x + x_off, w + w_off, 0)
+ROUTER_ENTRY(router_topk_f32_f16_workgroup, float, uint16_t, 0, x + x_off, 0, w + w_off)
+ROUTER_ENTRY(router_topk_f16_f32_workgroup, uint16_t, float, x + x_off, 0, w + w_off, 0)
+ROUTER_ENTRY(router_topk_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0, 0, w + w_off)

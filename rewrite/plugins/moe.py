@@ -1,0 +1,231 @@
+"""``moe``: fuse the routed experts of each MoE block into one ``ai.rewrite::FusedMoE`` (issue 5).
+
+Rules (patterns in :mod:`rewrite.plugins.moe_patterns`, the op and its lowerings in
+:mod:`rewrite.plugins.moe_lowering`):
+
+* ``fused-moe-hf``: transformers' exporter form (float weights, fp32/fp16);
+* ``fused-moe-seed-int4``: the seed's INT4 form, DequantizeLinear or after ``legalize``.
+
+Both accept the router as the raw Softmax/TopK chain or as the ``topk`` plugin's ``MoERouterTopK``, so
+``--plugins moe`` works alone and after ``topk``. The shared expert (Qwen1.5-MoE) is not part of the match and
+stays in the graph unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from rewrite.core.abstract_ops import DOMAIN
+from rewrite.core.ir import dtype_name
+from rewrite.core.rules import rule
+from rewrite.plugins.base import Plugin
+from rewrite.plugins.moe_lowering import FusedMoE, _ensure_opset, _ort_block, pack_int4
+from rewrite.plugins.moe_patterns import hf_experts, seed_experts
+
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+def _routing_attrs(m):
+    """(k, normalize, mode) of the matched router, or a refusal string."""
+    if "router" in m:
+        r = m.node("router")
+        mode = r.attr("mode", "softmax_topk")
+        if mode not in ("softmax_topk", "topk_softmax"):
+            return f"MoERouterTopK mode '{mode}' is not softmax_topk or topk_softmax"
+        return int(r.attr("k")), int(r.attr("normalize", 0)), mode
+    if m.attr("largest") != 1:
+        return m.fail(f"TopK has largest={m.attr('largest')}: it selects the lowest-probability experts", m.node("topk"))
+    k = m.const("k").reshape(-1)
+    if k.size != 1:
+        return f"TopK k '{m['k']}' is not a single value"
+    return int(k[0]), int("norm_div" in m), "softmax_topk"
+
+
+def _common_check(m, k: int, H: int):
+    """Checks shared by both forms: dtypes of hidden, logits, routing-weight Cast and output."""
+    hv, lv = m.value("hidden"), m.value("logits")
+    if hv.dtype not in _FLOATS or hv.rank != 2:
+        return f"hidden '{m['hidden']}' is {hv.type_str()}, expected float16/float32 [T, H]"
+    if lv.dtype != hv.dtype or lv.rank != 2:
+        return f"router logits '{m['logits']}' are {lv.type_str()}, expected {dtype_name(hv.dtype)} [T, E]"
+    out = m.graph.values[m.outputs[0]]
+    if out.dtype != hv.dtype:
+        return f"expert output '{m.outputs[0]}' is {dtype_name(out.dtype)}, hidden is {dtype_name(hv.dtype)}"
+    if "weights_cast" in m and m.attr("weights_to") not in _FLOATS:
+        return "routing weights are cast to a non-float type"
+    if not 1 <= k <= 64:
+        return f"k={k} outside 1..64"
+
+
+def _const_is(m, name: str, want) -> bool:
+    c = m.const(name)
+    return c is not None and list(c.reshape(-1)) == list(want)
+
+
+@rule("fused-moe-hf")
+def fused_moe_hf(op, hidden, logits):
+    """transformers-exported routed experts (GatherND of stacked weights, batched MatMul) -> FusedMoE."""
+    return hf_experts(op, hidden, logits)
+
+
+@fused_moe_hf.check
+def _(m):
+    ra = _routing_attrs(m)
+    if not isinstance(ra, tuple):
+        return ra
+    k = ra[0]
+    hv = m.value("hidden")
+    if "fc1" in m and "fc2" in m:
+        fc1, fc2 = m.value("fc1"), m.value("fc2")
+        if fc1.rank != 3 or fc2.rank != 3:
+            return f"stacked expert weights '{m['fc1']}' {fc1.type_str()} / '{m['fc2']}' {fc2.type_str()} are not rank 3"
+        E, N1, H = fc1.shape
+        I = N1 // 2
+        if N1 % 2 or tuple(fc2.shape) != (E, H, I):
+            return f"expert weights {fc1.type_str()} and {fc2.type_str()} are not [E, 2I, H] and [E, H, I]"
+        if fc1.dtype != hv.dtype or fc2.dtype != fc1.dtype:
+            return f"expert weights are {dtype_name(fc1.dtype)}, hidden is {dtype_name(hv.dtype)}"
+    elif "fc1q_codes" in m and "fc2q_codes" in m:
+        E, N1, H = m.const("fc1q_codes").shape
+        I = N1 // 2
+        bad = _check_quantized(m, {"fc1q": (2 * I, H), "fc2q": (H, I)})
+        if bad:
+            return bad
+    else:
+        return "gate_up and down stacks are not both float or both INT4"
+    if m.value("logits").shape[1] != E:
+        return f"router has {m.value('logits').shape[1]} experts, weights have {E}"
+    if hv.shape[1] != H:
+        return f"hidden width {hv.shape[1]} != expert input width {H}"
+    for name, want in (("rep_tiles", [1, k, 1]), ("rep_shape", [-1, H]), ("sum_shape", [-1, k, H])):
+        if not _const_is(m, name, want):
+            return f"'{m[name]}' is {m.const(name).tolist()}, expected {want} for k={k}, H={H}"
+    return _common_check(m, k, H)
+
+
+@fused_moe_hf.rewrite
+def _(m, b):
+    if "fc1" in m:
+        k, normalize, mode = _routing_attrs(m)
+        _ensure_opset(m.graph, DOMAIN)
+        out = m.graph.values[m.outputs[0]]
+        return b.op("FusedMoE", [m["hidden"], m["logits"], m["fc1"], m["fc2"]], domain=DOMAIN, k=k, normalize=normalize,
+                    mode=mode, activation="swiglu", block_size=0, dtype=out.dtype, shape=out.shape)
+    c = lambda n: m.const(n)  # noqa: E731
+    return _emit_quantized(m, b, [c("fc1q_codes"), c("fc1q_scales"), c("fc1q_zp")], [c("fc2q_codes"), c("fc2q_scales"), c("fc2q_zp")],
+                           _block_size(m, "fc1q"))
+
+
+@rule("fused-moe-seed-int4")
+def fused_moe_seed(op, hidden, logits):
+    """The seed's INT4 gather-then-compute experts (DequantizeLinear or legalize's form) -> FusedMoE."""
+    return seed_experts(op, hidden, logits)
+
+
+def _block_size(m, proj: str) -> int | None:
+    if f"{proj}_bs" in m:
+        return int(m.attr(f"{proj}_bs"))
+    tiles = [m.const(f"{proj}_{t}_tiles") for t in ("sc", "zp")]
+    if any(t is None or t.shape != (4,) or list(t[:3]) != [1, 1, 1] for t in tiles) or tiles[0][3] != tiles[1][3]:
+        return None
+    return int(tiles[0][3])
+
+
+def _check_quantized(m, dims: dict[str, tuple]) -> str | None:
+    """Codes uint8 [E, N, K] <= 15, scales (hidden's dtype) and zero points [E, N, ceil(K/bs)], one even block size."""
+    hv = m.value("hidden")
+    bss = {_block_size(m, p) for p in dims}
+    if len(bss) != 1 or None in bss or min(bss) <= 0 or min(bss) % 2:
+        return f"block sizes {sorted(map(str, bss))} of {', '.join(dims)} are not one even size"
+    bs = bss.pop()
+    E = m.const(f"{next(iter(dims))}_codes").shape[0]
+    for p, (n, kk) in dims.items():
+        c, s, z = m.const(f"{p}_codes"), m.const(f"{p}_scales"), m.const(f"{p}_zp")
+        nb = -(-kk // bs)
+        if c.dtype != np.uint8 or c.shape != (E, n, kk) or s.shape != (E, n, nb) or z.shape != (E, n, nb):
+            return f"{p} codes/scales/zero points {c.dtype}{c.shape}/{s.shape}/{z.shape} do not fit uint8 [E={E}, {n}, {kk}] with block {bs}"
+        if c.max(initial=0) > 15 or z.max(initial=0) > 15:
+            return f"{p} codes or zero points exceed the UINT4 range"
+        if s.dtype != np.dtype(np.float16 if hv.dtype == TensorProto.FLOAT16 else np.float32):
+            return f"{p} scales are {s.dtype}, hidden is {dtype_name(hv.dtype)}"
+    return None
+
+
+def _emit_quantized(m, b, fc1: list, fc2: list, bs: int) -> str:
+    """FusedMoE with INT4 weights: fc1/fc2 = [codes [E, N, K], scales, zero points], codes packed here."""
+    k, normalize, mode = _routing_attrs(m)
+    ins = [b.const(pack_int4(fc1[0]), "fc1"), b.const(pack_int4(fc2[0]), "fc2"), b.const(fc1[1], "fc1_scales"),
+           b.const(fc1[2], "fc1_zero_points"), b.const(fc2[1], "fc2_scales"), b.const(fc2[2], "fc2_zero_points")]
+    _ensure_opset(m.graph, DOMAIN)
+    out = m.graph.values[m.outputs[0]]
+    return b.op("FusedMoE", [m["hidden"], m["logits"]] + ins, domain=DOMAIN, k=k, normalize=normalize, mode=mode,
+                activation="swiglu", block_size=bs, dtype=out.dtype, shape=out.shape)
+
+
+@fused_moe_seed.check
+def _(m):
+    ra = _routing_attrs(m)
+    if not isinstance(ra, tuple):
+        return ra
+    k = ra[0]
+    hv = m.value("hidden")
+    H = hv.shape[1] if hv.rank == 2 else None
+    E, I, _ = m.const("gate_codes").shape
+    bad = _check_quantized(m, {"gate": (I, H), "up": (I, H), "down": (H, I)})
+    if bad:
+        return bad
+    if m.value("logits").shape[1] != E:
+        return f"router has {m.value('logits').shape[1]} experts, weights have {E}"
+    for name, want in (("rep_tiles", [1, k, 1]), ("rep_shape", [-1, 1, H]), ("w_shape", [-1, 1, k]),
+                       ("sum_shape", [-1, k, H]), ("out_shape", [-1, H])):
+        if not _const_is(m, name, want):
+            return f"'{m[name]}' is {m.const(name).tolist()}, expected {want} for k={k}, H={H}"
+    return _common_check(m, k, H)
+
+
+@fused_moe_seed.rewrite
+def _(m, b):
+    c = lambda n: m.const(n)  # noqa: E731
+    cat = lambda a, b_: np.concatenate([c(a), c(b_)], 1)  # noqa: E731
+    fc1 = [cat("gate_codes", "up_codes"), cat("gate_scales", "up_scales"), cat("gate_zp", "up_zp")]
+    return _emit_quantized(m, b, fc1, [c("down_codes"), c("down_scales"), c("down_zp")], _block_size(m, "gate"))
+
+
+class MoE(Plugin):
+    name = "fused-moe"
+    short = "moe"
+    description = "Fuse each MoE block's routed experts (router + SwiGLU experts + weighted sum) into FusedMoE"
+    opset_range = (13, 28)
+
+    @property
+    def rules(self):
+        return [fused_moe_hf, fused_moe_seed]
+
+    @property
+    def abstract_ops(self):
+        return [FusedMoE()]
+
+    def run(self, graph, report, ctx=None, *, dry_run=False):
+        """Apply the rules, then note per INT4 FusedMoE how ONNX Runtime will run it (QMoE block or float MoE)."""
+        super().run(graph, report, ctx, dry_run=dry_run)
+        if dry_run or getattr(ctx, "backend", "ort") != "ort":
+            return
+        for n in graph.nodes_by_op("FusedMoE", DOMAIN):
+            bs = int(n.attr("block_size", 0))
+            if not bs:
+                continue
+            fc1 = graph.values[n.inputs[2]].shape
+            h, i = graph.values[n.inputs[0]].shape[1], fc1[1] // 2
+            q = _ort_block(bs, h, i, len(n.inputs) > 5 and bool(n.inputs[5]))
+            if q == 0:
+                report.notes.append(f"{n.name}: INT4 block {bs} with H={h}, I={i} has no QMoE block_size; "
+                                    "ONNX Runtime runs com.microsoft MoE with dequantized float experts")
+            elif q != bs:
+                report.notes.append(f"{n.name}: QMoE block_size {q} (the model's {bs}-blocks split, scales and zero points repeated)")
+
+    @property
+    def cases(self):
+        from rewrite.plugins.moe_cases import moe_cases
+
+        return moe_cases()

@@ -1,0 +1,119 @@
+"""``kv``: contiguous ScatterElements KV updates -> KVCacheUpdate; growing Concat caches -> static caches.
+
+Tolerances: the slice insert moves values, so scatter rewrites must agree exactly; decoding through a
+converted model must give identical greedy tokens and logits within 1e-4 relative (fp32).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from rewrite.backends import load_runner
+from rewrite.backends.ort import OrtRunner
+from rewrite.core import onnx_io
+from rewrite.core.driver import run_plugin
+from rewrite.core.shapes import infer_shapes
+from rewrite.errors import PluginError
+from rewrite.generate import GenerationError, Generator
+from rewrite.pipeline import RewriteContext, apply
+from rewrite.plugins.kv_cache import KVCache, scatter_model
+from rewrite.testing.pytest_plugin import conformance_params
+
+_WORK = Path(tempfile.mkdtemp(prefix="rewrite-conformance-kv-"))
+
+
+@pytest.mark.parametrize("check", conformance_params(["expand", "kv"], _WORK))
+def test_conformance(check):
+    check.run()
+
+
+def _graph(model, tmp_path):
+    p = tmp_path / "m.onnx"
+    onnx.save(model, p)
+    g = onnx_io.load(p)
+    infer_shapes(g)
+    return g, p
+
+
+def test_seed_scatter_becomes_slice_insert_and_index_chain_goes(tmp_path):
+    g, _ = _graph(scatter_model("seed"), tmp_path)
+    rep = run_plugin(g, KVCache())
+    assert rep.rules["scatter-slice-insert"].matches == 2
+    assert g.summary() == {"ai.rewrite::KVCacheUpdate": 2}  # Range, Reshape, Cast, the A4 Where/Equal chain: gone
+    assert [g.nodes[i].inputs[2] for i in g.nodes] == ["position", "position"]
+
+
+@pytest.mark.parametrize("kind,batch,reason", [
+    ("strided", 1, "Add is not position + Range(0, n, 1) with a one-element position"),
+    ("reversed", 1, "range length not proven equal to the scattered extent (index repeated along the axis)"),
+    ("per_batch", 2, "index varies along an axis other than the scatter axis (per-batch or per-head offsets)"),
+    ("repeated", 1, "range length not proven equal to the scattered extent (index repeated along the axis)"),
+])
+def test_non_contiguous_indices_are_refused_with_the_reason(tmp_path, kind, batch, reason):
+    g, _ = _graph(scatter_model(kind, batch=batch), tmp_path)
+    before = g.summary()
+    rep = run_plugin(g, KVCache())
+    assert rep.matches == 0 and g.summary() == before
+    assert rep.rules["scatter-slice-insert"].refusals == {reason: ["scatter_k", "scatter_v"]}
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_slice_insert_equals_scatter_at_every_position(tmp_path, backend):
+    _, src = _graph(scatter_model("seed"), tmp_path)
+    apply(src, tmp_path / backend, plugins="kv", backend=backend)
+    got, ref = load_runner(tmp_path / backend), OrtRunner(src)
+    rng = np.random.default_rng(1)
+    for pos, n in [(0, 16), (0, 3), (9, 1), (15, 1), (-2, 1), (-5, 5)]:
+        feeds = {"k": rng.standard_normal((1, 2, n, 8), np.float32), "v": rng.standard_normal((1, 2, n, 8), np.float32),
+                 "position": np.array([pos], np.int64),
+                 "past_k": rng.standard_normal((1, 2, 16, 8), np.float32), "past_v": rng.standard_normal((1, 2, 16, 8), np.float32)}
+        a, b = got.run(feeds), ref.run(feeds)
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{backend} position {pos} n {n} {k}")
+
+
+def test_seed_form_decodes_identically_on_ort(seed_fp32, tmp_path):
+    path, _ = seed_fp32
+    m = apply(path, tmp_path / "kv", plugins="legalize,expand,kv", backend="ort")
+    assert {r["plugin"]: r["matches"] for r in m.report}["kv"] == 4  # 2 layers x (K, V)
+    assert not [n for n in onnx.load(tmp_path / "kv" / "model.onnx").graph.node if n.op_type == "ScatterElements"]
+    apply(path, tmp_path / "orig", backend="ort")
+    ref = Generator(tmp_path / "orig")
+    got = Generator(tmp_path / "kv")
+    r, o = ref.generate([7, 300, 12, 45, 99], 8), got.generate([7, 300, 12, 45, 99], 8)
+    assert r.tokens == o.tokens
+    for p in ref.past:
+        np.testing.assert_array_equal(got.past[p], ref.past[p])  # the caches, bit for bit
+
+
+def test_growing_cache_becomes_static_and_decodes_like_the_original(qwen2_moe_tiny, tmp_path):
+    m = apply(qwen2_moe_tiny, tmp_path / "static", plugins="kv", backend="ort", options={"kv": {"max_seq": 40}})
+    shapes = {d["name"]: d["shape"] for d in m.inputs}
+    assert shapes["seq_position"] == [1] and shapes["attention_mask"] == [1, 40]
+    assert [s for n, s in shapes.items() if n.startswith("past_key_values")] == [[1, 4, 40, 32]] * 4
+    assert {d["name"]: d["shape"] for d in m.outputs}["cache.layers.1.values"] == [1, 4, 40, 32]
+    apply(qwen2_moe_tiny, tmp_path / "orig", backend="ort")
+    ref = Generator(tmp_path / "orig").generate([3, 141, 59, 26, 5], 32)
+    gen = Generator(tmp_path / "static")
+    got = gen.generate([3, 141, 59, 26, 5], 32)
+    assert got.tokens == ref.tokens
+    rel = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits))
+    assert rel < 1e-4
+    with pytest.raises(GenerationError, match="exceeds the cache's 40 positions"):
+        for _ in range(4):
+            gen.step(np.array([[1, 2]]))
+
+
+def test_bad_options_fail_with_one_line(qwen2_moe_tiny):
+    g = onnx_io.load(qwen2_moe_tiny)
+    snap = onnx_io.to_model(g).SerializeToString()
+    with pytest.raises(PluginError, match="kv: unknown option 'max_len'; options: max_seq"):
+        run_plugin(g, KVCache(), RewriteContext(options={"kv": {"max_len": 8}}))
+    with pytest.raises(PluginError, match="--max-seq 0: must be positive"):
+        run_plugin(g, KVCache(), RewriteContext(options={"kv": {"max_seq": 0}}))
+    assert onnx_io.to_model(g).SerializeToString() == snap  # left as it was

@@ -1,0 +1,252 @@
+"""The ``topk`` router plugin: matching and refusals, the C kernel's arithmetic (expf, f16 conversions), the
+kernel on IREE against the numpy reference, lowering errors, the declared cases through the conformance kit
+(ORT and IREE against the original on ORT), and the tiny Qwen3-MoE export (renormalized router) decoding on
+IREE like the original on ORT. (The Qwen1.5-MoE export and the seed form on IREE: tests/test_end_to_end.py.)
+
+Tolerances: indices exactly equal everywhere; float32 weights within 1e-6 relative of the reference (one
+rounding each), float16 weights within one float16 ulp; model logits relative error (max|d|/max|ref|) < 1e-4.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import qwen_moe
+from rewrite.backends import load_runner
+from rewrite.backends.iree_patch import PatchContext, find_operators
+from rewrite.backends.ort import OrtRunner, lower_abstract_ops
+from rewrite.core import onnx_io
+from rewrite.core.abstract_ops import DOMAIN
+from rewrite.core.driver import run_plugin
+from rewrite.core.kernels import build_cpu_object, kernel_source
+from rewrite.core.shapes import infer_shapes
+from rewrite.errors import BackendError
+from rewrite.pipeline import apply
+from rewrite.plugins.router import _KERNEL_FLAGS, MoERouterTopK, RouterTopK, _router_model, router_topk_reference
+from rewrite.testing.pytest_plugin import conformance_params
+from rewrite.verify import verify
+
+PLUGIN = RouterTopK()
+
+
+# ------------------------------------------------------------------------------- kernel arithmetic (ctypes)
+@pytest.fixture(scope="module")
+def kernel_lib(tmp_path_factory):
+    """The kernel object exactly as IREE links it, wrapped into a shared library for ctypes."""
+    obj = build_cpu_object(kernel_source("topk", "router_topk.c"), extra_flags=_KERNEL_FLAGS)
+    undefined = subprocess.run(["nm", "-u", str(obj)], capture_output=True, text=True, check=True).stdout.split()
+    assert undefined == []  # nothing from libc/libm: IREE's embedded ELF loader has none
+    so = tmp_path_factory.mktemp("k") / "router_topk.so"
+    subprocess.run(["gcc", "-shared", "-nostdlib", str(obj), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.rewrite_router_expf.restype, lib.rewrite_router_expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    lib.rewrite_router_f16_to_f32.restype, lib.rewrite_router_f16_to_f32.argtypes = ctypes.c_float, [ctypes.c_uint16]
+    lib.rewrite_router_f32_to_f16.restype, lib.rewrite_router_f32_to_f16.argtypes = ctypes.c_uint16, [ctypes.c_float]
+    return lib
+
+
+def test_expf_is_within_one_rounding_of_exact(kernel_lib):
+    rng = np.random.default_rng(1)
+    x = np.concatenate([np.linspace(-87.3, 88.7, 6001), rng.uniform(-20, 5, 4000), [0.0, -0.0, 1e-30, -1e-30]]).astype(np.float32)
+    got = np.array([kernel_lib.rewrite_router_expf(float(v)) for v in x], np.float32)
+    exact = np.exp(x.astype(np.float64))
+    rel = np.abs(got.astype(np.float64) - exact) / exact
+    assert rel.max() < 6.0e-8  # float32 rounding is at most 2^-24 = 5.96e-8 relative
+    # underflow to subnormals and 0 follows the exact value's rounding, overflow gives inf
+    tails = np.array([-95.0, -103.0, -104.5, -200.0, -np.inf, 88.8, np.inf], np.float32)
+    got_t = np.array([kernel_lib.rewrite_router_expf(float(v)) for v in tails], np.float32)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(got_t, np.exp(tails.astype(np.float64)).astype(np.float32))
+
+
+def test_f16_conversions_are_bit_exact(kernel_lib):
+    h = np.arange(1 << 16, dtype=np.uint16)
+    ref = h.view(np.float16).astype(np.float32)
+    got = np.array([kernel_lib.rewrite_router_f16_to_f32(int(v)) for v in h], np.float32)
+    same = (got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))
+    assert same.all()
+    rng = np.random.default_rng(2)
+    finite = ref[np.isfinite(ref)].astype(np.float64)
+    finite.sort()
+    mids = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)  # exact ties: round half to even
+    f = np.concatenate([rng.integers(0, 1 << 32, 60000, dtype=np.uint64).astype(np.uint32).view(np.float32), ref, mids,
+                        np.float32([65504, 65519.99, 65520, 1e9, 2.0**-25, 2.0**-25 * 1.0001, 2.0**-24])])
+    got_h = np.array([kernel_lib.rewrite_router_f32_to_f16(float(v)) for v in f], np.uint16)
+    with np.errstate(all="ignore"):
+        ref_h = f.astype(np.float16).view(np.uint16)
+    assert ((got_h == ref_h) | np.isnan(f)).all()
+
+
+# ------------------------------------------------------------------------------- kernel on IREE vs reference
+E_VALUES, K_VALUES, T_VALUES = (8, 16, 60, 128), (1, 2, 4, 8), (1, 3, 63, 64, 65, 130)
+CONFIGS = [(e, k, mode, norm) for e in E_VALUES for k in K_VALUES for mode in ("softmax_topk", "topk_softmax") for norm in (0, 1)]
+
+
+def router_grid_model(x_dt: int, w_dt: int) -> onnx.ModelProto:
+    """One MoERouterTopK node per (E, k, mode, normalize) of CONFIGS; input x_E [T, E], outputs w_/i_<config>."""
+    nodes, outputs = [], []
+    for e, k, mode, norm in CONFIGS:
+        tag = f"{e}_{k}_{mode}_{norm}"
+        nodes.append(helper.make_node(MoERouterTopK.op_type, [f"x_{e}"], [f"w_{tag}", f"i_{tag}"], domain=DOMAIN,
+                                      name=f"router_{tag}", k=k, normalize=norm, mode=mode))
+        outputs += [helper.make_tensor_value_info(f"w_{tag}", w_dt, ["T", k]), helper.make_tensor_value_info(f"i_{tag}", TensorProto.INT64, ["T", k])]
+    g = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info(f"x_{e}", x_dt, ["T", e]) for e in E_VALUES], outputs)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
+
+
+@pytest.mark.parametrize("x_dt,w_dt", [(TensorProto.FLOAT, TensorProto.FLOAT), (TensorProto.FLOAT16, TensorProto.FLOAT),
+                                       (TensorProto.FLOAT16, TensorProto.FLOAT16), (TensorProto.FLOAT, TensorProto.FLOAT16)],
+                         ids=["f32-f32", "f16-f32", "f16-f16", "f32-f16"])
+def test_kernel_on_iree_equals_reference(tmp_path, x_dt, w_dt):
+    path = tmp_path / "grid.onnx"
+    onnx.save(router_grid_model(x_dt, w_dt), path)
+    m = apply(path, tmp_path / "iree", backend="iree")
+    assert (tmp_path / "iree" / "model.mlir").read_text().count("flow.dispatch @router_topk_") == len(CONFIGS)
+    assert len(m.kernel_objects) == 1
+    runner = load_runner(tmp_path / "iree")
+    np_x, np_w = (np.float16 if x_dt == TensorProto.FLOAT16 else np.float32), (np.float16 if w_dt == TensorProto.FLOAT16 else np.float32)
+    rng = np.random.default_rng(x_dt * 10 + w_dt)
+    for t in T_VALUES:
+        feeds = {f"x_{e}": (3 * rng.standard_normal((t, e))).astype(np_x) for e in E_VALUES}
+        feeds["x_8"][0] = 0.5  # a row of equal logits: indices 0..k-1
+        got = runner.run(feeds)
+        for e, k, mode, norm in CONFIGS:
+            tag = f"{e}_{k}_{mode}_{norm}"
+            w, i = router_topk_reference(feeds[f"x_{e}"], k, norm, mode, np_w)
+            np.testing.assert_array_equal(got[f"i_{tag}"], i, err_msg=f"T={t} {tag}")
+            assert got[f"w_{tag}"].dtype == np_w
+            rtol = 1e-6 if np_w == np.float32 else 1e-3
+            np.testing.assert_allclose(got[f"w_{tag}"], w, rtol=rtol, atol=0, err_msg=f"T={t} {tag}")
+        assert got["i_8_4_softmax_topk_0"][0].tolist() == [0, 1, 2, 3]
+
+
+def test_reference_ties_and_order_match_onnx_runtime_topk(tmp_path):
+    """ONNX TopK-11 puts the lower index first among equal values; ORT and the reference agree on it."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_router_model("softmax_topk", e=8, k=4), path)
+    x = np.array([[1, 3, 3, 0, 3, 2, 2, 3], [0] * 8, [5, 5, 1, 1, 5, 5, 9, 9]], np.float32)
+    ort = OrtRunner(path).run({"logits": x})
+    w, i = router_topk_reference(x, 4)
+    np.testing.assert_array_equal(i, ort["indices"])
+    assert i.tolist() == [[1, 2, 4, 7], [0, 1, 2, 3], [6, 7, 0, 1]]
+    np.testing.assert_allclose(w, ort["weights"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("types,attrs,error", [
+    ("[?,1100],f32", "torch.onnx.k = 2 : si64", "static last dim of 1..1024"),
+    ("[?,?],f32", "torch.onnx.k = 2 : si64", "static last dim of 1..1024"),
+    ("[?,8],bf16", "torch.onnx.k = 2 : si64", "expected f16|f32"),
+    ("[?,8],f32", "torch.onnx.k = 9 : si64", "k=9, mode='softmax_topk'; expected 1 <= k <= 8"),
+    ("[?,8],f32", 'torch.onnx.k = 2 : si64, torch.onnx.mode = "sort"', "mode='sort'"),
+])
+def test_iree_lowering_rejects_what_the_kernel_cannot_do(types, attrs, error):
+    k = 9 if "k = 9" in attrs else 2
+    line = (f'    %1:2 = torch.operator "onnx.MoERouterTopK"(%0) {{{attrs}}} : (!torch.vtensor<{types}>) -> '
+            f"(!torch.vtensor<[?,{k}],f32>, !torch.vtensor<[?,{k}],si64>)")
+    (op,) = find_operators("module {\n" + line + "\n}", {"MoERouterTopK"})
+    with pytest.raises(BackendError, match=re.escape(error)):
+        MoERouterTopK().lower_iree(op, PatchContext(folder=Path("."), target="llvm-cpu"))
+
+
+def test_ort_lowering_rejects_an_unknown_mode_naming_the_node():
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MoERouterTopK", ["x"], ["w", "i"], domain=DOMAIN, name="r0", k=2, mode="sort")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 8])],
+        [helper.make_tensor_value_info("w", TensorProto.FLOAT, ["T", 2]), helper.make_tensor_value_info("i", TensorProto.INT64, ["T", 2])]),
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
+    g = onnx_io.load(model)
+    with pytest.raises(BackendError, match="r0.*mode='sort'"):
+        lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK()})
+
+
+# ------------------------------------------------------------------------------- declared cases
+def _case_ids(kind):
+    return [c for c in PLUGIN.cases if c.kind == kind]
+
+
+REFUSAL = {
+    "softmax-on-another-axis": "Softmax over axis 0, TopK over axis -1",
+    "topk-not-on-last-axis": "TopK over axis 0 of rank 2",
+    "largest-0": "largest=0",
+    "sorted-0": "sorted=0",
+    "k-larger-than-experts": "k=[9] is not one value in 1..8",
+    "too-many-experts-for-the-kernel": "1025 experts; the kernel handles at most 1024",
+    "lossy-cast-f32-to-f16": "Cast FLOAT->FLOAT16 between Softmax and TopK",
+    "cast-to-integer": "Cast FLOAT->INT32 between Softmax and TopK",
+}
+
+
+@pytest.mark.parametrize("case", _case_ids("negative"), ids=lambda c: c.name)
+def test_negative_cases_are_refused_with_a_reason_and_untouched(case):
+    g = onnx_io.load(case.build())
+    infer_shapes(g)
+    before = onnx_io.to_model(g).SerializeToString()
+    rep = run_plugin(g, PLUGIN)
+    assert rep.matches == 0
+    reasons = [r for rr in rep.rules.values() for r in rr.refusals]
+    assert any(REFUSAL[case.name] in r for r in reasons), reasons
+    assert onnx_io.to_model(g).SerializeToString() == before
+
+
+@pytest.mark.parametrize("case", _case_ids("positive"), ids=lambda c: c.name)
+def test_positive_cases_become_one_op_and_lower_to_standard_onnx_for_ort(case):
+    g = onnx_io.load(case.build())
+    infer_shapes(g)
+    before = [n.op_type for n in g.topo_nodes()]
+    run_plugin(g, PLUGIN)
+    ops = [n.op_type for n in g.topo_nodes()]
+    assert ops.count("MoERouterTopK") == 1 and "TopK" not in ops and "Softmax" not in ops and "Cast" not in ops
+    renorm = any(r.endswith("-renorm") for r in case.matches)  # ReduceSum and Div absorbed too
+    assert len(ops) == len(before) - 1 - before.count("Cast") - 2 * renorm
+    lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK()})
+    lowered = [n.op_type for n in g.topo_nodes()]
+    assert lowered.count("TopK") == 1 and lowered.count("Softmax") == 1 and lowered.count("Div") == before.count("Div")
+
+
+_WORK = Path(tempfile.mkdtemp(prefix="rewrite-conformance-topk-"))
+
+
+@pytest.mark.parametrize("check", conformance_params(["topk"], _WORK))
+def test_topk_plugin_conformance(check):
+    """Declared cases: match counts, numerics on ORT and IREE vs the original, idempotence, checker, untouched."""
+    check.run()
+
+
+# ------------------------------------------------------------------------------- real model: Qwen3-MoE
+@pytest.fixture(scope="module")
+def qwen3_moe_tiny(tmp_path_factory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return qwen_moe.export_hf(qwen_moe.build_model("qwen3_moe", "tiny"), tmp_path_factory.mktemp("qwen3_moe_tiny"))
+
+
+def test_qwen3_moe_renormalized_router_on_iree_decodes_like_ort(qwen3_moe_tiny, tmp_path):
+    out = tmp_path / "iree"
+    m = apply(qwen3_moe_tiny, out, plugins="cast,legalize,topk", backend="iree")
+    report = {r["plugin"]: {x["rule"]: x["matches"] for x in r["rules"]} for r in m.report}
+    assert report["topk"] == {"softmax-topk-renorm": 2, "softmax-topk": 0, "topk-softmax-renorm": 0, "topk-softmax": 0}
+    ops = [n.op_type for n in onnx.load(out / "model.onnx").graph.node]
+    assert ops.count("MoERouterTopK") == 2 and "TopK" not in ops and "Div" not in ops
+    res = verify(qwen3_moe_tiny, out)
+    assert all(c.ok for c in res), [(c.name, c.max_rel) for c in res if not c.ok]
+    sig = qwen_moe.decode_signature(qwen3_moe_tiny)
+
+    def decode(run):
+        return qwen_moe.greedy_decode(run, sig.input_names, sig.output_names, [3, 141, 59, 26, 5], 4, sig.kv_shape_per_layer, sig.dtype)
+
+    ref_tokens, ref_logits = decode(OrtRunner(qwen3_moe_tiny).run)
+    tokens, logits = decode(load_runner(out).run)
+    assert tokens == ref_tokens
+    x = np.concatenate([np.ravel(v) for v in logits]).astype(np.float64)
+    y = np.concatenate([np.ravel(v) for v in ref_logits]).astype(np.float64)
+    assert np.abs(x - y).max() / np.abs(y).max() < 1e-4
