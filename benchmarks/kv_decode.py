@@ -90,9 +90,9 @@ def ort_update_forms(reps: int = 300) -> None:
                                             helper.make_tensor_value_info("position", T.INT64, [1])],
                             [helper.make_tensor_value_info("present_k", T.FLOAT, [1, h, s, d])])
     m = helper.make_model(one, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
-    tmp = Path(tempfile.mkdtemp(prefix="kv-forms-"))
-    onnx.save(m, tmp / "one.onnx")
-    g = onnx_io.load(tmp / "one.onnx")
+    with tempfile.TemporaryDirectory(prefix="kv-forms-") as tmp:
+        onnx.save(m, Path(tmp) / "one.onnx")
+        g = onnx_io.load(Path(tmp) / "one.onnx")
     KV_UPDATE.lower_ort(g, g.nodes_by_op(KV_UPDATE.op_type, DOMAIN)[0])
     forms["ScatterND"] = onnx_io.to_model(g)
     slc = [helper.make_node("Shape", ["k"], ["n1"], start=2, end=3), helper.make_node("Add", ["position", "n1"], ["end"]),
@@ -138,7 +138,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.ort_forms:
         return ort_update_forms()
-    work = Path(tempfile.mkdtemp(prefix="kv-bench-"))
+    with tempfile.TemporaryDirectory(prefix="kv-bench-") as tmp:  # about 6 GB for the default size
+        run_variants(args, Path(tmp))
+
+
+def run_variants(args: argparse.Namespace, work: Path) -> None:
+    """Build the model in ``work``, lower and time every variant (see the module docstring)."""
     model, _ = seed_form.build_seed_model("fp32", hidden=args.hidden, layers=args.layers, heads=8, kv_heads=8, head_dim=128,
                                           experts=args.experts, top_k=4, moe_intermediate=512, shared_intermediate=args.hidden,
                                           vocab=4096, max_seq=args.max_seq)

@@ -9,7 +9,8 @@ b. ``ort-fused``: transformers' exporter with ``OnnxConfig(dynamic=True, ort_fus
 c. ``ort-fused-4bit``: (b) after ORT's ``MatMulNBitsQuantizer`` (block 128, 4-bit; it leaves the experts float);
 d. ``rewrite-ort-moe`` (``--plugins moe``: com.microsoft MoE, float) and ``rewrite-ort-q4x-moe``
    (``quant4,moe`` with ``quant4.experts_only``: QMoE with INT4 experts, block 128, dense weights float like (c)'s
-   experts are) on ORT;
+   experts are) and ``rewrite-ort-q4-moe`` (``quant4,moe``, dense weights INT4 too: DequantizeLinear, which
+   ORT's optimizer may turn into MatMulNBits) on ORT;
 e. IREE llvm-cpu, all with INT4 experts (the fp32 mid export is 3 GB, over the 2 GB protobuf limit of IREE's
    ONNX import): ``iree-q4x-topk`` (``quant4,legalize,topk``; ``topk`` because IREE's own router TopK is wrong
    inside these models) vs ``iree-q4x-topk-moe`` (``quant4,legalize,topk,moe``).
@@ -121,11 +122,11 @@ def main(argv=None) -> None:
         outs = [o.name for o in sess.get_outputs()]
         return lambda f: dict(zip(outs, sess.run(None, {n: f[n] for n in names})))
 
-    def rewritten(name: str, plugins: list[str], backend: str):
+    def rewritten(name: str, plugins: list[str], backend: str, experts_only: bool = True):
         out = work / name
         if not (out / "manifest.json").is_file():
             t = time.perf_counter()
-            apply(plain, out, plugins=plugins, backend=backend, options={"quant4": {"experts_only": True}})
+            apply(plain, out, plugins=plugins, backend=backend, options={"quant4": {"experts_only": experts_only}})
             print(f"  ({name}: apply + compile {time.perf_counter() - t:.0f} s)", flush=True)
         if backend == "ort":
             return ort_run(out / "model.onnx")
@@ -141,6 +142,7 @@ def main(argv=None) -> None:
     if "d" in groups:
         variants.append(("d rewrite-ort-moe", lambda: rewritten("ort_moe", ["moe"], "ort")))
         variants.append(("d rewrite-ort-q4x-moe", lambda: rewritten("ort_q4x_moe", ["quant4", "moe"], "ort")))
+        variants.append(("d rewrite-ort-q4-moe", lambda: rewritten("ort_q4_moe", ["quant4", "moe"], "ort", experts_only=False)))
     if "e" in groups:
         variants.append(("e iree-q4x-topk", lambda: rewritten("iree_q4x_topk", ["quant4", "legalize", "topk"], "iree")))
         variants.append(("e iree-q4x-topk-moe", lambda: rewritten("iree_q4x_topk_moe", ["quant4", "legalize", "topk", "moe"], "iree")))

@@ -1,12 +1,14 @@
 """The ``rewrite`` command line.
 
 Exit status: 0 success; 1 a verification found outputs beyond tolerance; 2 bad input or a failure, with a
-one-line ``error:`` message naming the file, node or value (nothing written).
+one-line ``error:`` message naming the file, node or value (nothing written); 3 ``apply --expect`` counts
+not reached.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,8 +18,6 @@ from rich.console import Console
 from rich.table import Table
 
 from rewrite.errors import RewriteError
-
-import shutil
 
 # tables are read in logs and CI output as often as in terminals: never narrower than 140 columns
 console = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 140), highlight=False)
@@ -83,10 +83,13 @@ def plugins_cmd() -> None:
 
 
 def _print_report(report: list[dict]) -> None:
-    t = Table("plugin", "rule", "matches", "removed", "added", "refusals")
+    t = Table("plugin", "rule", "matches", "removed", "added", "refusals (at nodes) / why nothing matched")
     for pr in report:
         for r in pr["rules"]:
-            ref = "; ".join(f"{x['count']}x {x['reason']}" for x in r["refusals"][:3])
+            ref = "; ".join(f"{x['count']}x {x['reason']} ({', '.join(x['nodes'][:2])}{', ...' if x['count'] > 2 else ''})" for x in r["refusals"][:3])
+            if not ref and "best_partial" in r:  # see 'rewrite explain' for the matched pattern nodes
+                bp = r["best_partial"]
+                ref = f"best partial match stopped: {bp['reason']}" + (f" ({bp['node']})" if bp["node"] else "")
             t.add_row(pr["plugin"], r["rule"], str(r["matches"]), str(r["nodes_removed"]), str(r["nodes_added"]), ref or "-")
         for note in pr["notes"]:
             t.add_row(pr["plugin"], "(note)", "", "", "", note)
@@ -240,8 +243,6 @@ def main() -> None:
     except RewriteError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except SystemExit:
-        raise
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from rewrite.backends.iree_patch import VTensor, _split_types
+from rewrite.backends.iree_patch import VTensor, _split_types, split_resources
 from rewrite.errors import BackendError
 from rewrite.plugins.kv_cache import insert_rows_mlir
 
@@ -64,13 +64,6 @@ def present_name_for(past: str) -> list[str]:
     ``past_key_values.layers.0.keys`` -> ``cache.layers.0.keys`` (transformers 5 exporter) or
     ``present.layers.0.keys`` (older exporters)."""
     return [past.replace("past_key_values", "cache"), past.replace("past_key_values", "present"), past.replace("past", "present")]
-
-
-def split_resources(mlir: str) -> tuple[str, str]:
-    """``(module text, trailer)``: the importer may append a ``{-# dialect_resources ... #-}`` block after the
-    module, so "the last ``}``" is not the module's end; patches must go into the first part."""
-    k = mlir.find("\n{-#")
-    return (mlir, "") if k < 0 else (mlir[:k + 1], mlir[k + 1:])
 
 
 _FUNC_RE = r'^(?P<indent>\s*)func\.func\s+(?:public\s+)?@(?:"{q}"|{q})\((?P<args>.*?)\)\s*->\s*(?P<res>\(.*?\)|!torch\.vtensor<[^>]*>)\s*(?P<attrs>attributes\s*\{{.*\}})?\s*\{{\s*$'

@@ -106,11 +106,24 @@ def verify(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.nd
            rtol: float | None = None, seed: int = 0) -> list[Comparison]:
     """Compare every output of ``folder``'s lowered model with the original on ONNX Runtime."""
     folder = Path(folder)
+    _check_same_interface(model_path, folder)
     runner = load_runner(folder)
     feeds = feeds if feeds is not None else default_feeds(folder, seed=seed)
     got = runner.run(feeds)
     ref = reference_outputs(model_path, feeds)
     return [compare(n, got[n], ref[n], rtol) for n in runner.output_names if n in ref]
+
+
+def _check_same_interface(model_path: str | Path, folder: Path) -> None:
+    """Raises RewriteError when the lowered function's inputs are not the original's (a static or stateful
+    KV cache changes them): such folders are compared by decoding, with ``rewrite generate``."""
+    m = Manifest.read(folder)
+    original = {i.name for i in onnx_io.read_model(model_path).graph.input}
+    lowered = {d["name"] for d in m.inputs}
+    if m.state or not lowered <= original:
+        new = sorted(lowered - original)
+        why = "its KV cache lives in the module state" if m.state else f"it takes input(s) the original does not: {', '.join(new)}"
+        raise RewriteError(f"{folder}: cannot compare output by output with {model_path}: {why}; compare greedy decoding with 'rewrite generate'")
 
 
 def locate(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.ndarray] | None = None,
@@ -120,6 +133,7 @@ def locate(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.nd
     Returns None when every probed value agrees. Raises RewriteError if the probe cannot be built.
     """
     folder = Path(folder)
+    _check_same_interface(model_path, folder)
     manifest = Manifest.read(folder)
     feeds = feeds if feeds is not None else default_feeds(folder, seed=seed)
     lowered = onnx_io.load(folder / manifest.model)

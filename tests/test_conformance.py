@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,12 +25,27 @@ from rewrite.testing.conformance import ConformanceFailure, checks_for
 from rewrite.testing.pytest_plugin import conformance_params
 
 _WORK = Path(tempfile.mkdtemp(prefix="rewrite-conformance-builtin-"))
+atexit.register(shutil.rmtree, _WORK, ignore_errors=True)  # lowered models and compiled modules
 
 
 # ----------------------------------------------------------- built-in plugins
-@pytest.mark.parametrize("check", conformance_params(["cast", "legalize"], _WORK))
+def _builtin_plugins() -> list[str]:
+    from rewrite.plugins.manager import available_plugins
+
+    return [short for short, p in available_plugins().items() if type(p).__module__.startswith("rewrite.plugins.")]
+
+
+@pytest.mark.parametrize("check", conformance_params(_builtin_plugins(), _WORK))
 def test_builtin_plugin_conformance(check):
     check.run()
+
+
+def test_every_builtin_plugin_declares_positive_and_negative_cases():
+    from rewrite.plugins.manager import select_plugins
+
+    for p in select_plugins(_builtin_plugins()):
+        kinds = {c.kind for c in p.cases}
+        assert {"positive", "negative"} <= kinds, f"plugin '{p.short}' declares {sorted(kinds)}"
 
 
 def test_builtin_plugins_declare_every_kind_of_check():

@@ -5,20 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper
 
+from rewrite.core import onnx_io
 from rewrite.core.pattern import AttrVar, Var
 from rewrite.core.rules import rule
+from rewrite.core.shapes import infer_shapes
 from rewrite.errors import RewriteError
 from rewrite.explain import explain, explain_rule, parse_expect, shortfalls
-from rewrite.core import onnx_io
-from rewrite.core.shapes import infer_shapes
 
 
 def rewrite(*args) -> subprocess.CompletedProcess:

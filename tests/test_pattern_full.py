@@ -11,7 +11,6 @@ import textwrap
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from rewrite.core import onnx_io

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +18,7 @@ from rewrite.backends import load_runner
 from rewrite.core.kernels import kernel_source
 from rewrite.pipeline import apply
 from rewrite.plugins.moe_lowering import FusedMoE, pack_int4, route
+from rewrite.testing.pytest_plugin import conformance_params
 
 FLAGS = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16}
 
@@ -95,17 +98,17 @@ def test_route_topk_softmax_equals_normalized_softmax_topk():
     np.testing.assert_allclose(w1, w2, rtol=1e-6)
 
 
-def _fused_model(path, args, k, normalize, bs):
-    """A one-node FusedMoE model (weights as initializers) for the lowering tests."""
+def _fused_model(path, args, k, normalize, bs, t_dim="T"):
+    """A one-node FusedMoE model (weights as initializers) for the lowering tests; ``t_dim`` the token dim."""
     x, logits = args[:2]
     names = ["x", "logits"] + [n if a is not None else "" for n, a in zip(["fc1", "fc2", "s1", "z1", "s2", "z2"], args[2:])]
     dt = helper.np_dtype_to_tensor_dtype(x.dtype)
     node = helper.make_node("FusedMoE", names, ["y"], domain="ai.rewrite", k=k, normalize=normalize, mode="softmax_topk",
                             activation="swiglu", block_size=bs)
     inits = [numpy_helper.from_array(a, n) for n, a in zip(names[2:], args[2:]) if a is not None]
-    g = helper.make_graph([node], "main_graph", [helper.make_tensor_value_info("x", dt, ["T", x.shape[1]]),
-                                                 helper.make_tensor_value_info("logits", dt, ["T", logits.shape[1]])],
-                          [helper.make_tensor_value_info("y", dt, ["T", x.shape[1]])], inits)
+    g = helper.make_graph([node], "main_graph", [helper.make_tensor_value_info("x", dt, [t_dim, x.shape[1]]),
+                                                 helper.make_tensor_value_info("logits", dt, [t_dim, logits.shape[1]])],
+                          [helper.make_tensor_value_info("y", dt, [t_dim, x.shape[1]])], inits)
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.rewrite", 1)]), path)
     return path
 
@@ -122,6 +125,21 @@ def test_ort_lowering_matches_reference(tmp_path, quant, normalize):
     got = load_runner(out).run({"x": args[0], "logits": args[1]})["y"]
     ref = FusedMoE().reference({"k": 4, "normalize": normalize, "block_size": bs}, *args)[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("quant,dtype,t_dim", [("float", np.float16, "T"), ("int4", np.float32, 3), ("int4", np.float16, "T")])
+def test_iree_lowering_matches_reference(tmp_path, quant, dtype, t_dim):
+    bs = 128 if quant != "float" else 0
+    args = _random_case(np.random.default_rng(4), 3, 256, 192, 60, 4, dtype, bs)
+    out = tmp_path / "iree"
+    man = apply(_fused_model(tmp_path / "m.onnx", args, 4, 0, bs, t_dim), out, backend="iree")
+    assert len(man.kernel_objects) == 1 and "moe_cpu" in man.kernel_objects[0]
+    mlir = (out / "model.mlir").read_text()
+    assert mlir.count("flow.dispatch @moe_exec") == 2
+    got = load_runner(out).run({"x": args[0], "logits": args[1]})["y"].astype(np.float32)
+    ref = FusedMoE().reference({"k": 4, "normalize": 0, "block_size": bs}, *args)[0].astype(np.float32)
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
 def test_ort_cpu_qmoe_renormalizes_without_router_weights(tmp_path):
@@ -220,32 +238,9 @@ def test_seed_form_int4(tmp_path, seed_fp32, plugins, backend):
         np.testing.assert_allclose(got[o.name], r, rtol=1e-4, atol=1e-4)
 
 
-def _case_feeds(model, rng):
-    dt = {1: np.float32, 10: np.float16}[model.graph.input[0].type.tensor_type.elem_type]
-    h = model.graph.input[0].type.tensor_type.shape.dim[1].dim_value
-    e = model.graph.input[1].type.tensor_type.shape.dim[1].dim_value
-    return {"hidden": rng.standard_normal((5, h)).astype(dt), "logits": (rng.standard_normal((5, e)) * 2).astype(dt)}
-
-
-@pytest.mark.parametrize("case", [c for c in __import__("rewrite.plugins.moe", fromlist=["MoE"]).MoE().cases], ids=lambda c: c.name)
-def test_declared_cases(tmp_path, case):
-    model = case.build()
-    onnx.save(model, tmp_path / "m.onnx")
-    backends = case.backends if case.kind == "positive" else ("ort",)
-    for backend in backends:
-        man = apply(tmp_path / "m.onnx", tmp_path / backend, plugins=["moe"], backend=backend)
-        rep = _moe_report(man)
-        if case.kind == "negative":
-            assert sum(r["matches"] for r in rep.values()) == 0
-            after = onnx.load(tmp_path / backend / "model.onnx")
-            assert [n.op_type for n in after.graph.node] == [n.op_type for n in model.graph.node]
-            continue
-        assert {r: rep[r]["matches"] for r in case.matches} == case.matches
-        feeds = _case_feeds(model, np.random.default_rng(3))
-        ref = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, feeds)[0].astype(np.float32)
-        got = load_runner(tmp_path / backend).run(feeds)["y"].astype(np.float32)
-        tol = case.rtol or 1e-4
-        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
+@pytest.mark.parametrize("check", conformance_params(["moe"], Path(tempfile.mkdtemp(prefix="rewrite-conformance-moe-"))))
+def test_declared_cases_pass_the_conformance_kit(check):
+    check.run()
 
 
 @pytest.fixture(scope="module")

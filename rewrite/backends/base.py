@@ -111,4 +111,4 @@ def check_feeds(names: list[str], feeds: dict[str, np.ndarray], where: str) -> l
     extra = [n for n in feeds if n not in names]
     if extra:
         raise BackendError(f"{where}: unexpected input '{extra[0]}' (inputs: {', '.join(names)})")
-    return [np.ascontiguousarray(feeds[n]) for n in names]
+    return [np.require(feeds[n], requirements='C') for n in names]  # (ascontiguousarray makes 0-d arrays 1-d)

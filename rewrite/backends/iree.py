@@ -19,7 +19,7 @@ from rewrite.core.abstract_ops import DOMAIN, registered_ops
 from rewrite.core.feeds import specs_of
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
-from rewrite.stateful import make_module_stateful, split_resources
+from rewrite.stateful import make_module_stateful
 
 DEFAULT_PARAM_THRESHOLD = 4096  #: initializers with at least this many elements go to the .irpa
 
@@ -79,12 +79,11 @@ class IreeBackend:
             raise BackendError(f"no IREE lowering registered for abstract op(s) {', '.join(missing)}")
         if used:
             ctx = PatchContext(folder=folder, target=manifest.target)
-            module, trailer = split_resources(res.mlir_path.read_text())  # patch_module appends before the last "}"
-            mlir, _ = patch_module(module, {t: ops[t].lower_iree for t in used}, ctx)
+            mlir, _ = patch_module(res.mlir_path.read_text(), {t: ops[t].lower_iree for t in used}, ctx)
             left = unlowered_ops(mlir, used)
             if left:
                 raise BackendError(f"abstract op(s) {', '.join(left)} left in {res.mlir_path} after lowering")
-            res.mlir_path.write_text(mlir + trailer)
+            res.mlir_path.write_text(mlir)
             manifest.kernel_objects = list(ctx._kernel_objects)
         if options.get("stateful"):
             make_module_stateful(res.mlir_path, res.entry_function, manifest, graph)

@@ -187,6 +187,13 @@ def _wrapper(name: str, op: TorchOperator, low: IreeLowering, opset: int) -> str
     return "\n".join(lines)
 
 
+def split_resources(mlir: str) -> tuple[str, str]:
+    """``(module text, trailer)``: the importer may append a ``{-# dialect_resources ... #-}`` block after the
+    module, so "the last ``}``" is not the module's end; patches must go into the first part."""
+    k = mlir.find("\n{-#")
+    return (mlir, "") if k < 0 else (mlir[:k + 1], mlir[k + 1:])
+
+
 def patch_module(mlir: str, lowerers: dict[str, Callable[[TorchOperator, PatchContext], IreeLowering]], ctx: PatchContext) -> tuple[str, int]:
     """Replace every imported abstract op with a call to its lowering's wrapper.
 
@@ -212,8 +219,9 @@ def patch_module(mlir: str, lowerers: dict[str, Callable[[TorchOperator, PatchCo
         indent = re.match(r"\s*", op.line).group(0)
         call = f"{indent}{res} = func.call @{name}({', '.join(op.operands)}) : ({types_in}) -> ({types_out})"
         mlir = mlir.replace(op.line, call, 1)
-    end = mlir.rstrip().rfind("}")
-    mlir = mlir[:end] + "\n".join(items.values()) + "\n" + "\n".join(wrappers) + "\n" + mlir[end:]
+    module, trailer = split_resources(mlir)
+    end = module.rstrip().rfind("}")
+    mlir = module[:end] + "\n".join(items.values()) + "\n" + "\n".join(wrappers) + "\n" + module[end:] + trailer
     return mlir, len(ops)
 
 

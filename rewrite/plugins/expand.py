@@ -136,7 +136,9 @@ class SymbolicEvaluator:
 
     def _v_Cast(self, n: Node) -> list | None:
         x = self.vector(n.inputs[0])
-        return None if x is None or any(e in (_BOOL_T, _BOOL_F) for e in x) else x
+        if x is None or any(e in (_BOOL_T, _BOOL_F) for e in x) or n.attr("to") not in (TensorProto.INT64, TensorProto.INT32):
+            return None  # only sizes kept as sizes; int32 holds every dim a tensor can have here
+        return x
 
     def _v_Reshape(self, n: Node) -> list | None:
         x, shape = self.vector(n.inputs[0]), self.graph.const(n.inputs[1])

@@ -3,7 +3,7 @@
 Rules (patterns in :mod:`rewrite.plugins.moe_patterns`, the op and its lowerings in
 :mod:`rewrite.plugins.moe_lowering`):
 
-* ``fused-moe-hf``: transformers' exporter form (float weights, fp32/fp16);
+* ``fused-moe-hf``: transformers' exporter form (fp32/fp16; float stacks or ``quant4``'s INT4 stacks);
 * ``fused-moe-seed-int4``: the seed's INT4 form, DequantizeLinear or after ``legalize``.
 
 Both accept the router as the raw Softmax/TopK chain or as the ``topk`` plugin's ``MoERouterTopK``, so
@@ -42,7 +42,7 @@ def _routing_attrs(m):
     return int(k[0]), int("norm_div" in m), "softmax_topk"
 
 
-def _common_check(m, k: int, H: int):
+def _common_check(m, k: int):
     """Checks shared by both forms: dtypes of hidden, logits, routing-weight Cast and output."""
     hv, lv = m.value("hidden"), m.value("logits")
     if hv.dtype not in _FLOATS or hv.rank != 2:
@@ -75,6 +75,9 @@ def _(m):
     if not isinstance(ra, tuple):
         return ra
     k = ra[0]
+    bad = _common_check(m, k)
+    if bad:
+        return bad
     hv = m.value("hidden")
     if "fc1" in m and "fc2" in m:
         fc1, fc2 = m.value("fc1"), m.value("fc2")
@@ -87,6 +90,8 @@ def _(m):
         if fc1.dtype != hv.dtype or fc2.dtype != fc1.dtype:
             return f"expert weights are {dtype_name(fc1.dtype)}, hidden is {dtype_name(hv.dtype)}"
     elif "fc1q_codes" in m and "fc2q_codes" in m:
+        if m.const("fc1q_codes").ndim != 3:
+            return f"gate_up codes '{m['fc1q_codes']}' are not [E, 2I, H]"
         E, N1, H = m.const("fc1q_codes").shape
         I = N1 // 2
         bad = _check_quantized(m, {"fc1q": (2 * I, H), "fc2q": (H, I)})
@@ -101,7 +106,7 @@ def _(m):
     for name, want in (("rep_tiles", [1, k, 1]), ("rep_shape", [-1, H]), ("sum_shape", [-1, k, H])):
         if not _const_is(m, name, want):
             return f"'{m[name]}' is {m.const(name).tolist()}, expected {want} for k={k}, H={H}"
-    return _common_check(m, k, H)
+    return None
 
 
 @fused_moe_hf.rewrite
@@ -169,8 +174,13 @@ def _(m):
     if not isinstance(ra, tuple):
         return ra
     k = ra[0]
+    bad = _common_check(m, k)
+    if bad:
+        return bad
     hv = m.value("hidden")
-    H = hv.shape[1] if hv.rank == 2 else None
+    H = hv.shape[1]
+    if m.const("gate_codes").ndim != 3:
+        return f"gate codes '{m['gate_codes']}' are not [E, I, H]"
     E, I, _ = m.const("gate_codes").shape
     bad = _check_quantized(m, {"gate": (I, H), "up": (I, H), "down": (H, I)})
     if bad:
@@ -181,7 +191,7 @@ def _(m):
                        ("sum_shape", [-1, k, H]), ("out_shape", [-1, H])):
         if not _const_is(m, name, want):
             return f"'{m[name]}' is {m.const(name).tolist()}, expected {want} for k={k}, H={H}"
-    return _common_check(m, k, H)
+    return None
 
 
 @fused_moe_seed.rewrite

@@ -31,7 +31,7 @@ import numpy as np
 from onnx import TensorProto
 
 from rewrite.backends.iree_patch import IreeLowering, PatchContext, TorchOperator
-from rewrite.core.abstract_ops import DOMAIN, AbstractOp
+from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cpu_object, kernel_source
 from rewrite.core.rules import Builder
@@ -172,13 +172,15 @@ class FusedMoE(AbstractOp):
         flags = (_FLAG["f16"] if el == "f16" else 0) | (_FLAG["int4"] if bs else 0)
         flags |= _FLAG["normalize"] if int(op.attrs.get("normalize", 0)) else 0
         flags |= _FLAG["topk_softmax"] if op.attrs.get("mode", "softmax_topk") == "topk_softmax" else 0
-        has_zp = bs and len(tys) > 5 and tys[5].dims and tys[5].dims[0] == tys[2].dims[0]
+        if bs and len(tys) != 8:  # an absent input in the middle is imported as !torch.none
+            raise BackendError(f"FusedMoE with block_size {bs} needs all 8 inputs on IREE (zero points included), got {len(tys)}")
+        has_zp = bool(bs)
         flags |= _FLAG["zero_points"] if has_zp else 0
         if None in (H, E, I) or k > 64:
             raise BackendError(f"FusedMoE: H, E, I must be static and k <= 64 (got H={H}, E={E}, I={I}, k={k})")
         wel = "i8" if bs else el
         sizes = {n: int(np.prod(t.dims)) for n, t in zip(("fc1", "fc2", "s1", "z1", "s2", "z2"), tys[2:])}
-        lines = [f"    %moe_c0 = arith.constant 0 : index",
+        lines = ["    %moe_c0 = arith.constant 0 : index",
                  f"    %t = tensor.dim %in0, %moe_c0 : {tys[0].builtin}",
                  f"    %tk = arith.muli %t, %c{k}k : index",
                  f"    %th = arith.muli %t, %cH : index", f"    %te = arith.muli %t, %cE : index",
@@ -186,8 +188,13 @@ class FusedMoE(AbstractOp):
         consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cbs": bs, "%cfl": flags,
                   "%nb1": -(-I // ROWS_PER_WORKGROUP), "%nb2": -(-H // ROWS_PER_WORKGROUP)}
         lines = [f"    {n} = arith.constant {v} : index" for n, v in consts.items()] + lines
-        lines.append(f"    %x = tensor.collapse_shape %in0 [[0, 1]] : {tys[0].builtin} into tensor<?x{el}>")
-        lines.append(f"    %l = tensor.collapse_shape %in1 [[0, 1]] : {tys[1].builtin} into tensor<?x{el}>")
+        for name, kk in (("x", 0), ("l", 1)):  # [T, n] -> tensor<?xel> (a static T is cast to dynamic)
+            t = tys[kk]
+            if t.dims[0] is None:
+                lines.append(f"    %{name} = tensor.collapse_shape %in{kk} [[0, 1]] : {t.builtin} into tensor<?x{el}>")
+            else:
+                lines.append(f"    %{name}_s = tensor.collapse_shape %in{kk} [[0, 1]] : {t.builtin} into tensor<{t.dims[0] * t.dims[1]}x{el}>")
+                lines.append(f"    %{name} = tensor.cast %{name}_s : tensor<{t.dims[0] * t.dims[1]}x{el}> to tensor<?x{el}>")
         for n, kk in (("fc1", 2), ("fc2", 3)):
             lines.append(f"    %{n} = tensor.collapse_shape %in{kk} [[0, 1, 2]] : {tys[kk].builtin} into tensor<{sizes[n]}x{wel}>")
         if bs:
@@ -210,7 +217,8 @@ class FusedMoE(AbstractOp):
             f"    %o = flow.dispatch @moe_exec::@down[%t, %nb2](%l, %act, %fc2, %s2, %z2, %t, %cH, %cI, %cE, %c{k}k, %cbs, %cfl) : "
             f"(tensor<?x{el}>{{%te}}, tensor<?xf32>{{%tki}}, tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, tensor<{S['z2']}xi8>, "
             f"index, index, index, index, index, index, index) -> tensor<?x{el}>{{%th}}")
-        lines.append(f"    %out0 = tensor.expand_shape %o [[0, 1]] output_shape [%t, {H}] : tensor<?x{el}> into {op.result_types[0].builtin}")
+        lines.append(f"    %o2 = tensor.expand_shape %o [[0, 1]] output_shape [%t, {H}] : tensor<?x{el}> into tensor<?x{H}x{el}>")
+        lines.append(f"    %out0 = tensor.cast %o2 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
         name = f"moe_exec_{el}_{wel}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}"
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
         return IreeLowering(body=body, module_items={name: _executable(name, str(obj), el, wel, S)}, kernel_objects=[str(obj)])

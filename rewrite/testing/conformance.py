@@ -28,7 +28,6 @@ Expensive work is shared: a case is rewritten once and lowered once per backend,
 from __future__ import annotations
 
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -324,15 +323,3 @@ def checks_for(plugin: Plugin, workdir: Path) -> list[Check]:
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
-
-def run_all(plugin: Plugin, workdir: Path | None = None) -> list[tuple[Check, BaseException | None]]:
-    """Run every check of ``plugin`` (outside pytest); returns (check, error or None) pairs."""
-    tmp = Path(workdir or tempfile.mkdtemp(prefix="rewrite-conformance-"))
-    results = []
-    for c in checks_for(plugin, tmp):
-        try:
-            c.run()
-            results.append((c, None))
-        except Exception as e:  # noqa: BLE001 - reported per check
-            results.append((c, e))
-    return results
