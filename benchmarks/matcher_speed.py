@@ -191,7 +191,7 @@ def main(argv=None) -> None:
             try:
                 t, n = min(ours(full, [plugin]) for _ in range(args.repeat))
                 print(f"  {short:<10} {t:>7.2f} s  {n:>5} matches")
-            except Exception as e:  # noqa: BLE001 - report and go on: plugins are written concurrently
+            except Exception as e:  # noqa: BLE001 - report and go on with the other plugins
                 print(f"  {short:<10} error: {str(e).splitlines()[0][:150]}")
 
 

@@ -36,7 +36,7 @@ TOL = {"fp32": REL_TOL[1], "fp16": REL_TOL[10]}
 
 
 def rel_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    """max|a-b| / max|b| over all steps' logits (normwise, seed and issue convention)."""
+    """max|a-b| / max|b| over all steps' logits (normwise)."""
     x = np.concatenate([np.asarray(v, np.float64).ravel() for v in a])
     y = np.concatenate([np.asarray(v, np.float64).ravel() for v in b])
     return float(np.abs(x - y).max() / np.abs(y).max())

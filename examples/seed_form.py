@@ -1,6 +1,6 @@
 """The seed's static-cache ONNX form of a Qwen1.5-MoE-style decoder, built op by op.
 
-The seed (``shared/seeds/000_f83df273f1150424.txt``) documents, in its "IR Guide" sections,
+The seed document (the Qwen1.5-MoE bring-up log, see ``docs/sources.md``) documents, in its "IR Guide" sections,
 the ONNX graph its exporter produced for Qwen1.5-MoE-A2.7B INT4, and in items A1-A6 the
 problems that graph raises for IREE.  This module rebuilds that graph form directly with
 ``onnx.helper`` (opset 21, IR version 10) at toy sizes, with random weights, so that graph

@@ -58,6 +58,8 @@ class Generator:
         self.state = self.manifest.state[0] if self.manifest.state else None
         if "input_ids" not in self.specs:
             raise GenerationError(f"{folder}: no 'input_ids' input (inputs: {', '.join(self.specs)})")
+        if "logits" not in out_names:
+            raise GenerationError(f"{folder}: no 'logits' output (outputs: {', '.join(out_names)})")
         known = {"input_ids", "seq_position", "position_ids", "attention_mask"} | {p for p, _ in self.pairs}
         unknown = [n for n in self.specs if n not in known]
         if unknown:

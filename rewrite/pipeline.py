@@ -19,7 +19,7 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport, run_plugin
 from rewrite.core.ir import Graph
 from rewrite.core.shapes import infer_shapes
-from rewrite.errors import RewriteError, UnsupportedModelError
+from rewrite.errors import BackendError, RewriteError, UnsupportedModelError
 from rewrite.plugins.base import Plugin
 from rewrite.plugins.manager import select_plugins
 
@@ -105,7 +105,16 @@ def apply(
             dims=ctx.dims,
             report=[r.to_json() for r in reports],
         )
-        be.lower(graph, tmp, manifest, options=ctx.options)
+        try:
+            be.lower(graph, tmp, manifest, options=ctx.options)
+        except BackendError as e:
+            if not (tmp / "compile.log").exists():
+                raise
+            # a failed compile is debugged from its MLIR and log: keep them beside the requested folder
+            kept = out_dir.parent / f"{out_dir.name}.failed"
+            shutil.rmtree(kept, ignore_errors=True)
+            tmp.rename(kept)
+            raise BackendError(str(e).replace(str(tmp), str(kept)) + f" (model, MLIR and log kept in {kept})") from e
         manifest.write(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -5,7 +5,7 @@ of all of it per call (5.6 ms + 4.4 ms per step on the seed's GPU); keeping it i
 +49% decode speed. All caches live in ONE combined global ``tensor<N x S...>`` (``N`` = number of cache
 tensors, entry ``k`` = the ``k``-th (past, present) pair): two globals with equal initial values are merged
 by iree-compile 3.13 and then alias (seed: "IREE aliases the insert_slice destination to the global's
-storage"; reproduced in shared/examples/iree_extern_spike/state).
+storage"; reproduced on iree-compile 3.13 with two globals of equal initial values).
 
 :func:`make_stateful` patches the importer's MLIR text of the entry function:
 

@@ -25,7 +25,7 @@ from rewrite.backends.base import Manifest
 from rewrite.backends.ort import OrtRunner
 from rewrite.core import onnx_io
 from rewrite.core.feeds import make_feeds
-from rewrite.core.ir import Graph, Node, dtype_name
+from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.shapes import infer_shapes
 from rewrite.errors import RewriteError
 
@@ -51,15 +51,27 @@ class Comparison:
         return f"{status} {self.name:<40} {self.dtype:<8} {str(list(self.shape)):<18} max_abs={self.max_abs:.3e}  max_rel={self.max_rel:.3e}  tol={self.tol:g}{extra}"
 
 
+#: Reference magnitude below which relative error is measured against this instead (near-zero outputs are
+#: compared in absolute terms: tol * 1e-3).
+SCALE_FLOOR = 1e-3
+
+
 def compare(name: str, got: np.ndarray, ref: np.ndarray, rtol: float | None = None) -> Comparison:
-    """Compare one output. Shape or dtype-kind mismatches fail with infinite error."""
+    """Compare one tensor with its reference.
+
+    Floats: ``max_rel = max|got - ref| / max(max|ref|, SCALE_FLOOR)`` against ``rtol`` (default by dtype,
+    :data:`REL_TOL`); NaN matches NaN and an infinity the same infinity. Integers and booleans: exact, with
+    the number of differing elements. A shape or dtype-kind mismatch fails with infinite error.
+    """
     got, ref = np.asarray(got), np.asarray(ref)
     dt = onnx.helper.np_dtype_to_tensor_dtype(ref.dtype) if ref.dtype != object else 0
-    if got.shape != ref.shape:
+    kind = {"b": "b", "i": "i", "u": "i", "f": "f"}
+    if got.shape != ref.shape or kind.get(got.dtype.kind) != kind.get(ref.dtype.kind):
         return Comparison(name, dtype_name(dt), ref.shape, float("inf"), float("inf"), 0.0, False)
     if not np.issubdtype(ref.dtype, np.floating):
         diff = int(np.count_nonzero(got != ref))
-        return Comparison(name, dtype_name(dt), ref.shape, float(diff > 0), float(diff > 0), 0.0, diff == 0, diff)
+        max_abs = float(np.abs(got.astype(np.float64) - ref.astype(np.float64)).max()) if diff else 0.0
+        return Comparison(name, dtype_name(dt), ref.shape, max_abs, float(diff > 0), 0.0, diff == 0, diff)
     tol = rtol if rtol is not None else REL_TOL.get(dt, 1e-4)
     g64, r64 = got.astype(np.float64), ref.astype(np.float64)
     both_nan = np.isnan(g64) & np.isnan(r64)
@@ -69,7 +81,7 @@ def compare(name: str, got: np.ndarray, ref: np.ndarray, rtol: float | None = No
     d = np.nan_to_num(d, nan=np.inf)
     max_abs = float(d.max()) if d.size else 0.0
     scale = float(np.max(np.abs(r64[np.isfinite(r64)]))) if np.isfinite(r64).any() else 1.0
-    max_rel = max_abs / max(scale, 1e-30) if max_abs else 0.0
+    max_rel = max_abs / max(scale, SCALE_FLOOR) if max_abs else 0.0
     return Comparison(name, dtype_name(dt), ref.shape, max_abs, max_rel, tol, max_rel <= tol)
 
 
@@ -163,7 +175,8 @@ def locate(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.nd
     floor = max((REL_TOL.get(v.dtype, 0.0) for v in lowered.values.values() if v.dtype in REL_TOL), default=0.0)
     bad_values = {}
     for n in probe_names:
-        tol = rtol if rtol is not None else max(REL_TOL.get(lowered.values[n].dtype, 1e-4), floor)
+        own = REL_TOL.get(lowered.values[n].dtype, 1e-4)
+        tol = rtol if rtol is not None else (own if n in lowered.outputs else max(own, floor))  # outputs: as verify judges them
         bad_values[n] = compare(n, got[n], ref[n], tol)
     for node in lowered.topo_nodes():
         outs = [bad_values[o] for o in node.outputs if o in probed]
@@ -175,7 +188,8 @@ def locate(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.nd
 
 
 def _probe_values(lowered: Graph, original: Graph) -> list[str]:
-    """Intermediate tensors present in both graphs with a known element type, in lowered topological order."""
+    """Tensors computed in both graphs (intermediates and graph outputs) with a known element type, in the
+    lowered graph's topological order."""
     names = []
     for n in lowered.topo_nodes():
         if n.has_subgraphs():
@@ -183,7 +197,7 @@ def _probe_values(lowered: Graph, original: Graph) -> list[str]:
         for o in n.outputs:
             v = lowered.values.get(o)
             ov = original.values.get(o)
-            if not o or o in lowered.outputs or v is None or ov is None or v.dtype is None or v.shape is None:
+            if not o or v is None or ov is None or v.dtype is None or v.shape is None:
                 continue
             if original.producer_node(o) is None or ov.dtype != v.dtype:
                 continue

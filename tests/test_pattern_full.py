@@ -1,4 +1,4 @@
-"""The rest of the pattern-language contract (issue 3) not covered by test_pattern.py / test_driver.py:
+"""The rest of the pattern-language contract not covered by test_pattern.py / test_driver.py:
 reusable sub-patterns with scoped variables, scalar-constant predicates, the fixed-point bound, and the
 same output for the same input across processes (hash randomization)."""
 

@@ -255,20 +255,20 @@ def qwen3_moe_tiny(tmp_path_factory):
         return qwen_moe.export_hf(qwen_moe.build_model("qwen3_moe", "tiny"), tmp_path_factory.mktemp("qwen3_moe_tiny"))
 
 
-ISSUE_PLUGINS = ["quant4", "cast", "legalize", "expand", "kv", "topk", "moe"]
+FULL_CHAIN = ["quant4", "cast", "legalize", "expand", "kv", "topk", "moe"]
 
 
 @pytest.mark.parametrize("arch,backend", [("qwen2_moe", "ort"), ("qwen2_moe", "iree"), ("qwen3_moe", "iree")])
 def test_issue_chain_greedy_tokens_match_unfused_ort(tmp_path, request, arch, backend):
-    """Issue 5's plugin order gives the greedy tokens (32 steps) of the same chain without ``moe`` on ORT.
+    """The full plugin chain gives the greedy tokens (32 steps) of the same chain without ``moe`` on ORT.
 
     (The baseline keeps legalize: quant4 alone vs quant4,legalize already differ by ~1e-2 in the logits on ORT,
     before moe runs; see the moe section of BENCHMARKS.md.)"""
     import qwen_moe
 
     src = request.getfixturevalue(f"{arch}_tiny")
-    apply(src, tmp_path / "base", plugins=ISSUE_PLUGINS[:-1], backend="ort")
-    man = apply(src, tmp_path / "fused", plugins=ISSUE_PLUGINS, backend=backend)
+    apply(src, tmp_path / "base", plugins=FULL_CHAIN[:-1], backend="ort")
+    man = apply(src, tmp_path / "fused", plugins=FULL_CHAIN, backend=backend)
     reports = {r["plugin"]: r for r in man.report}
     assert reports["topk"]["matches"] == 2 and reports["moe"]["matches"] == 2  # one router, one MoE per layer
     sig = qwen_moe.decode_signature(tmp_path / "base" / "model.onnx")

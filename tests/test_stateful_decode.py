@@ -1,6 +1,6 @@
 """IREE stateful decode (llvm-cpu): the KV cache in one util.global, the function taking ids and position.
 
-Done-criterion of issue 4: on the tiny Qwen1.5-MoE and Qwen3-MoE exports (fp32) and the seed form, greedy
+On the tiny Qwen1.5-MoE and Qwen3-MoE exports (fp32) and the seed form, greedy
 tokens equal ONNX Runtime running the original model for 32 steps, logits within 1e-4 relative, and the
 module's cache equals ORT's. ``topk`` replaces IREE's own router TopK, which is wrong inside these models.
 """

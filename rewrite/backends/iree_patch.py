@@ -198,7 +198,7 @@ def patch_module(mlir: str, lowerers: dict[str, Callable[[TorchOperator, PatchCo
     """Replace every imported abstract op with a call to its lowering's wrapper.
 
     Returns (patched MLIR, number of ops patched). Raises BackendError when an op in ``lowerers`` cannot be
-    lowered (message names the op and the reason) or when an abstract op is left without a lowering.
+    lowered (the message names the op and the reason).
     """
     ops = find_operators(mlir, set(lowerers))
     if not ops:
@@ -208,7 +208,12 @@ def patch_module(mlir: str, lowerers: dict[str, Callable[[TorchOperator, PatchCo
     items: dict[str, str] = {}
     wrappers: list[str] = []
     for k, op in enumerate(ops):
-        low = lowerers[op.op_type](op, ctx)
+        try:
+            low = lowerers[op.op_type](op, ctx)
+        except BackendError:
+            raise
+        except Exception as e:  # a lowering bug must still name the op, not end in a traceback
+            raise BackendError(f"IREE lowering of {op.op_type} ({op.result} = ...) failed: {type(e).__name__}: {e}") from e
         items.update(low.module_items)
         ctx._kernel_objects.extend(o for o in low.kernel_objects if o not in ctx._kernel_objects)
         name = f"rewrite_{op.op_type}_{k}"

@@ -16,7 +16,7 @@ from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN, registered_ops
 from rewrite.core.feeds import specs_of
 from rewrite.core.ir import Graph
-from rewrite.errors import BackendError
+from rewrite.errors import BackendError, RewriteError
 
 
 #: ORT graph optimization levels by name. "basic" keeps the graph's exact semantics; "all" may fuse a blocked
@@ -72,7 +72,12 @@ def lower_abstract_ops(graph: Graph, ops: dict) -> int:
         op = ops.get(node.op_type)
         if op is None:
             raise BackendError(f"node {node.describe()}: no ONNX Runtime lowering registered for abstract op {node.op_type}")
-        op.lower_ort(graph, node)
+        try:
+            op.lower_ort(graph, node)
+        except RewriteError:
+            raise
+        except Exception as e:  # a lowering bug must still name the node, not end in a traceback
+            raise BackendError(f"node {node.describe()}: ONNX Runtime lowering of {node.op_type} failed: {type(e).__name__}: {e}") from e
         count += 1
     left = [n for n in graph.nodes.values() if n.domain == DOMAIN]
     if left:

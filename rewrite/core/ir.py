@@ -172,6 +172,12 @@ class Node:
         return f"'{self.name or '<unnamed>'}' ({self.domain + '::' if self.domain else ''}{self.op_type})"
 
 
+def _copy_proto(m: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    return out
+
+
 def subgraph_outer_names(attrs: Iterable[onnx.AttributeProto]) -> list[str]:
     """Names that subgraph attributes read from the enclosing scope, in first-use order.
 
@@ -268,9 +274,6 @@ class Graph:
             return None
         return self.nodes[p[0]]
 
-    def output_port(self, value: str) -> int | None:
-        p = self.producer.get(value)
-        return None if p is None else p[1]
 
     def uses(self, value: str) -> list[tuple[int, int]]:
         """Every use of ``value`` as ``(consumer id, in_port)``; consumer is :data:`SINK` for a graph output."""
@@ -624,6 +627,8 @@ class Graph:
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "initializers": list(self.initializers),
+            "model_shell": _copy_proto(self.model_shell),  # opset imports a plugin may add
+            "output_infos": dict(self.output_infos),
         }
 
     def restore(self, snap: dict) -> None:
@@ -649,6 +654,8 @@ class Graph:
             self.values[k] = v
         self.producer = dict(snap["producer"])
         self.inputs, self.outputs, self.initializers = list(snap["inputs"]), list(snap["outputs"]), list(snap["initializers"])
+        self.model_shell = _copy_proto(snap["model_shell"])
+        self.output_infos = dict(snap["output_infos"])
 
     # ------------------------------------------------------------- printing
     def summary(self) -> dict[str, int]:

@@ -461,8 +461,3 @@ class Match:
                 if any(c == SINK or c not in inside for c, _ in self.graph.uses(o)):
                     leaked.append(o)
         return leaked
-
-
-def attr_proto(name: str, value: Any) -> onnx.AttributeProto:
-    """An AttributeProto from a Python value (``helper.make_attribute`` with a name-first signature)."""
-    return helper.make_attribute(name, value)

@@ -1,4 +1,4 @@
-"""``moe``: fuse the routed experts of each MoE block into one ``ai.rewrite::FusedMoE`` (issue 5).
+"""``moe``: fuse the routed experts of each MoE block into one ``ai.rewrite::FusedMoE``.
 
 Rules (patterns in :mod:`rewrite.plugins.moe_patterns`, the op and its lowerings in
 :mod:`rewrite.plugins.moe_lowering`):
