@@ -237,8 +237,9 @@ def main() -> None:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # usage errors too: one 'error:' line, like every other failure
+        hint = f" (see 'rewrite {e.ctx.info_name} --help')" if getattr(e, "ctx", None) is not None and e.ctx.parent is not None else ""
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
         sys.exit(2)
     except RewriteError as e:
         click.echo(f"error: {e}", err=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rewrite.backends import get_backend
-from rewrite.backends.base import Manifest
+from rewrite.backends.base import MANIFEST, Manifest
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport, run_plugin
@@ -57,6 +57,32 @@ def check_model(graph: Graph, plugins: list[Plugin], where: str) -> None:
             raise UnsupportedModelError(f"{where}: opset {opset} is outside plugin '{p.short}' range {lo}..{hi}")
 
 
+def check_output_folder(out_dir: Path, model_path: Path) -> None:
+    """Raises RewriteError unless ``out_dir`` may be replaced: it must not exist, be empty, or be an earlier
+    output folder (holding ``manifest.json``), and it must not hold the source model."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise RewriteError(f"{out_dir}: exists and is not a folder")
+    if Path(model_path).resolve().is_relative_to(out_dir.resolve()):
+        raise RewriteError(f"{out_dir}: holds the source model {model_path}; choose another output folder")
+    if any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise RewriteError(f"{out_dir}: not empty and not an output folder of 'rewrite apply' (no {MANIFEST}); refusing to replace it")
+
+
+#: option keys read by the backends; every other key names a plugin whose options it holds
+BACKEND_OPTIONS = frozenset({"stateful", "param_threshold", "abstract_ops"})
+
+
+def check_options(options: dict, plugins: list[Plugin]) -> None:
+    """Raises RewriteError for options addressed to a plugin that is not selected (a typo would otherwise
+    be ignored silently)."""
+    shorts = {p.short for p in plugins}
+    for key in options:
+        if key not in BACKEND_OPTIONS and key not in shorts:
+            raise RewriteError(f"options given for plugin '{key}', which is not among --plugins ({', '.join(sorted(shorts)) or 'none'})")
+
+
 def rewrite_graph(graph: Graph, plugins: list[Plugin], ctx: RewriteContext, *, dry_run: bool = False) -> list[PluginReport]:
     """Refine shapes, then run each plugin all-or-nothing, in order; returns their reports."""
     infer_shapes(graph, ctx.dims)
@@ -90,10 +116,12 @@ def apply(
     selected = select_plugins(list(plugins) if not isinstance(plugins, str) else plugins)
     graph = onnx_io.load(model_path)
     check_model(graph, selected, str(model_path))
+    check_options(options or {}, selected)
     ctx = RewriteContext(backend=backend, target=target, dims=dict(dims or {}), options=dict(options or {}))
     reports = rewrite_graph(graph, selected, ctx)
     infer_shapes(graph)  # types for the values the plugins created, which the IREE importer needs
     out_dir = Path(out_dir)
+    check_output_folder(out_dir, Path(model_path))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:

@@ -19,7 +19,7 @@ from onnx import TensorProto
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
 from rewrite.core.rules import rule
-from rewrite.plugins.base import Plugin
+from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.plugins.moe_lowering import FusedMoE, _ensure_opset, _ort_block, pack_int4
 from rewrite.plugins.moe_patterns import hf_experts, seed_experts
 
@@ -54,8 +54,9 @@ def _common_check(m, k: int):
         return f"expert output '{m.outputs[0]}' is {dtype_name(out.dtype)}, hidden is {dtype_name(hv.dtype)}"
     if "weights_cast" in m and m.attr("weights_to") not in _FLOATS:
         return "routing weights are cast to a non-float type"
-    if not 1 <= k <= 64:
-        return f"k={k} outside 1..64"
+    experts = lv.shape[1]
+    if not 1 <= k <= 64 or (isinstance(experts, int) and k > experts):
+        return f"k={k} outside 1..min(64, E={experts})"
 
 
 def _const_is(m, name: str, want) -> bool:
@@ -207,6 +208,7 @@ class MoE(Plugin):
     short = "moe"
     description = "Fuse each MoE block's routed experts (router + SwiGLU experts + weighted sum) into FusedMoE"
     opset_range = (13, 28)
+    kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "moe/moe_cpu.c"),)
 
     @property
     def rules(self):

@@ -168,7 +168,7 @@ class FusedMoE(AbstractOp):
         el = tys[0].builtin_element
         H, E = tys[0].dims[1], tys[1].dims[1]
         k, bs = int(op.attrs["k"]), int(op.attrs.get("block_size", 0))
-        I = tys[2].dims[1] // 2
+        I = None if tys[2].dims[1] is None else tys[2].dims[1] // 2
         flags = (_FLAG["f16"] if el == "f16" else 0) | (_FLAG["int4"] if bs else 0)
         flags |= _FLAG["normalize"] if int(op.attrs.get("normalize", 0)) else 0
         flags |= _FLAG["topk_softmax"] if op.attrs.get("mode", "softmax_topk") == "topk_softmax" else 0
@@ -176,8 +176,8 @@ class FusedMoE(AbstractOp):
             raise BackendError(f"FusedMoE with block_size {bs} needs all 8 inputs on IREE (zero points included), got {len(tys)}")
         has_zp = bool(bs)
         flags |= _FLAG["zero_points"] if has_zp else 0
-        if None in (H, E, I) or k > 64:
-            raise BackendError(f"FusedMoE: H, E, I must be static and k <= 64 (got H={H}, E={E}, I={I}, k={k})")
+        if None in (H, E, I) or not 1 <= k <= min(64, E):
+            raise BackendError(f"FusedMoE: H, E, I must be static and 1 <= k <= min(64, E) (got H={H}, E={E}, I={I}, k={k})")
         wel = "i8" if bs else el
         sizes = {n: int(np.prod(t.dims)) for n, t in zip(("fc1", "fc2", "s1", "z1", "s2", "z2"), tys[2:])}
         lines = ["    %moe_c0 = arith.constant 0 : index",
@@ -261,9 +261,9 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int]) -> st
 
 def _ort_block(bs: int, h: int, i: int, zero_points: bool) -> int:
     """Largest power-of-two block dividing ``bs``, H and I that QMoE accepts (>= 16; >= 64 with zero points); 0 if none."""
-    q = bs
+    q = bs & -bs  # largest power of two dividing bs (96 -> 32)
     while q >= (64 if zero_points else 16):
-        if q & (q - 1) == 0 and h % q == 0 and i % q == 0 and bs % q == 0:
+        if h % q == 0 and i % q == 0:
             return q
         q //= 2
     return 0
