@@ -9,11 +9,14 @@ b. ``ort-fused``: transformers' exporter with ``OnnxConfig(dynamic=True, ort_fus
 c. ``ort-fused-4bit``: (b) after ORT's ``MatMulNBitsQuantizer`` (block 128, 4-bit; it leaves the experts float);
 d. ``rewrite-ort-moe`` (``--plugins moe``: com.microsoft MoE, float) and ``rewrite-ort-q4x-moe``
    (``quant4,moe`` with ``quant4.experts_only``: QMoE with INT4 experts, block 128, dense weights float like (c)'s
-   experts are) and ``rewrite-ort-q4-moe`` (``quant4,moe``, dense weights INT4 too: DequantizeLinear, which
-   ORT's optimizer may turn into MatMulNBits) on ORT;
+   experts are) and ``rewrite-ort-q4-moe`` (``quant4,moe``, dense weights INT4 too, which the ``ort`` backend
+   lowers to com.microsoft MatMulNBits) on ORT;
 e. IREE llvm-cpu, all with INT4 experts (the fp32 mid export is 3 GB, over the 2 GB protobuf limit of IREE's
    ONNX import): ``iree-q4x-topk`` (``quant4,legalize,topk``; ``topk`` because IREE's own router TopK is wrong
    inside these models) vs ``iree-q4x-topk-moe`` (``quant4,legalize,topk,moe``).
+
+Rewritten variants are built into ``--work`` once and reused while their ``manifest.json`` exists: use a fresh
+``--work`` after changing a plugin.
 
 Per variant: median and min of ``--reps`` timed calls after 3 warm-up calls, and the max |logits - (a)|.
 ORT sessions use 2 intra-op threads; IREE's local-task device 2 workers (``--task_topology_max_group_count``).
@@ -126,7 +129,8 @@ def main(argv=None) -> None:
         out = work / name
         if not (out / "manifest.json").is_file():
             t = time.perf_counter()
-            apply(plain, out, plugins=plugins, backend=backend, options={"quant4": {"experts_only": experts_only}})
+            options = {"quant4": {"experts_only": experts_only}} if "quant4" in plugins else {}
+            apply(plain, out, plugins=plugins, backend=backend, options=options)
             print(f"  ({name}: apply + compile {time.perf_counter() - t:.0f} s)", flush=True)
         if backend == "ort":
             return ort_run(out / "model.onnx")

@@ -127,9 +127,10 @@ def _logit_drift(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def quantized_hf(qwen2_moe_tiny, tmp_path_factory):
-    """The tiny Qwen2-MoE export through ``--plugins quant4 --backend ort`` (defaults: block 128, asymmetric)."""
+    """The tiny Qwen2-MoE export through ``--plugins quant4 --backend ort`` (defaults: block 128, asymmetric),
+    keeping quant4's DequantizeLinear form (the ORT backend's MatMulNBits lowering is tested on its own)."""
     out = tmp_path_factory.mktemp("quant4_hf") / "ort"
-    manifest = apply(qwen2_moe_tiny, out, plugins="quant4", backend="ort")
+    manifest = apply(qwen2_moe_tiny, out, plugins="quant4", backend="ort", options={"ort_matmul_nbits": False})
     return out, manifest
 
 
@@ -246,7 +247,7 @@ def test_on_grid_weights_are_lossless_on_ort_and_iree(tmp_path, dtype, symmetric
     src = tmp_path / "m.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), src)
     opts = {"quant4": {"block_size": 32, "min_elements": 0, "symmetric": symmetric}}
-    m = apply(src, tmp_path / "ort", plugins="quant4", backend="ort", options=opts)
+    m = apply(src, tmp_path / "ort", plugins="quant4", backend="ort", options={**opts, "ort_matmul_nbits": False})
     assert {r["rule"]: r["matches"] for r in m.report[0]["rules"]} == {"dense-weight": 1, "expert-stack": 1}
     rng = np.random.default_rng(0)
     feeds = {"h": rng.standard_normal((4, k)).astype(np_t), "scores": np.stack([rng.permutation(e) for _ in range(2)]).astype(np_t)}
@@ -264,7 +265,7 @@ def test_seed_fp16_dense_weights_quantized_experts_left_as_they_are(tmp_path):
     """fp16: the seed form's float weights are quantized (its experts are INT4 already and stay untouched)."""
     model, _ = seed_form.build_seed_model("fp16")
     src = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
-    m = apply(src, tmp_path / "ort", plugins="quant4", backend="ort", options={"quant4": {"block_size": 64}})
+    m = apply(src, tmp_path / "ort", plugins="quant4", backend="ort", options={"quant4": {"block_size": 64}, "ort_matmul_nbits": False})
     rules = {r["rule"]: r for r in m.report[0]["rules"]}
     assert rules["dense-weight"]["matches"] == 2 * 7 and rules["expert-stack"]["matches"] == 0  # q k v o, shared gate up down
     out = onnx.load(tmp_path / "ort" / "model.onnx")
@@ -332,10 +333,11 @@ def test_cli_opt_flags(tmp_path):
                         "--opt", "quant4.block_size=64", "--opt", "quant4.symmetric=true", "--opt", "quant4.min_elements=0"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    out = onnx.load(tmp_path / "out" / "model.onnx")
-    (dq,) = [n for n in out.graph.node if n.op_type == "DequantizeLinear"]
-    assert {a.name: helper.get_attribute_value(a) for a in dq.attribute} == {"axis": 0, "block_size": 64}
-    assert len(dq.input) == 2 and {t.name: t.data_type for t in out.graph.initializer}["W.qweight"] == TP.INT4
+    out = onnx.load(tmp_path / "out" / "model.onnx")  # the ORT backend lowers DequantizeLinear->MatMul to MatMulNBits
+    (mm,) = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in mm.attribute}
+    assert attrs["block_size"] == 64 and attrs["bits"] == 4
+    assert len([i for i in mm.input if i]) == 3  # symmetric: no zero points
     r = subprocess.run([sys.executable, "-m", "rewrite.cli", "apply", src, "--plugins", "quant4", "-o", tmp_path / "bad",
                         "--opt", "quant4.block_size=100"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [

@@ -1,7 +1,8 @@
 """The ``ort`` backend: the rewritten graph as an ONNX file run by ONNX Runtime.
 
 Abstract ops that plugins create are lowered by their plugin's ORT lowering (contrib ops such as
-com.microsoft QMoE) before the file is written; everything else is standard ONNX.
+com.microsoft QMoE) before the file is written, and dense blocked 4-bit DequantizeLinear -> MatMul pairs become
+com.microsoft MatMulNBits (:mod:`rewrite.backends.ort_matmul_nbits`); everything else is standard ONNX.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from rewrite.backends.base import Manifest, check_feeds
+from rewrite.backends.ort_matmul_nbits import lower_matmul_nbits
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN, registered_ops
 from rewrite.core.feeds import specs_of
@@ -91,6 +93,8 @@ class OrtBackend:
 
     def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
         lower_abstract_ops(graph, {**registered_ops(), **options.get("abstract_ops", {})})
+        if options.get("ort_matmul_nbits", True):  # backend option: keep DequantizeLinear->MatMul when False
+            lower_matmul_nbits(graph)  # dense 4-bit DequantizeLinear -> MatMul: ORT runs that pair unfused
         path = folder / manifest.model
         onnx_io.save(graph, path)
         model = onnx_io.to_model(graph)
