@@ -8,9 +8,13 @@ a. ``ort``: the export on ONNX Runtime;
 b. ``ort-fused``: transformers' exporter with ``OnnxConfig(dynamic=True, ort_fusions="cpu")``;
 c. ``ort-fused-4bit``: (b) after ORT's ``MatMulNBitsQuantizer`` (block 128, 4-bit; it leaves the experts float);
 d. ``rewrite-ort-moe`` (``--plugins moe``: com.microsoft MoE, float) and ``rewrite-ort-q4x-moe``
-   (``quant4,moe`` with ``quant4.experts_only``: QMoE with INT4 experts, block 128, dense weights float like (c)'s
+   (``quant4,moe`` with ``quant4.experts_only``: QMoE with INT4 experts, quant4 block 128 run as
+   QMoE block 64 (moe_lowering.ORT_MAX_BLOCK), dense weights float like (c)'s
    experts are) and ``rewrite-ort-q4-moe`` (``quant4,moe``, dense weights INT4 too, which the ``ort`` backend
    lowers to com.microsoft MatMulNBits) on ORT;
+f. ``rewrite-ort-fused-q4-moe``: ``quant4,moe`` (dense weights INT4 too) applied to (b), the
+   ``ort_fusions="cpu"`` export (GroupQueryAttention, SkipSimplifiedLayerNormalization, fused QKV and gate/up
+   weights: 40 MatMulNBits instead of 56), on ORT; its experts are the same batched_mm form, so ``moe`` matches;
 e. IREE llvm-cpu, all with INT4 experts (the fp32 mid export is 3 GB, over the 2 GB protobuf limit of IREE's
    ONNX import): ``iree-q4x-topk`` (``quant4,legalize,topk``; ``topk`` because IREE's own router TopK is wrong
    inside these models) vs ``iree-q4x-topk-moe`` (``quant4,legalize,topk,moe``).
@@ -99,7 +103,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="mid", choices=qwen_moe.SIZES)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--only", default="a,b,c,d,e", help="comma list of variant groups a..e")
+    ap.add_argument("--only", default="a,b,c,d,e,f", help="comma list of variant groups a..f")
     ap.add_argument("--work", default="/tmp/rewrite-bench-moe")
     args = ap.parse_args(argv)
     groups = set(args.only.split(","))
@@ -125,12 +129,12 @@ def main(argv=None) -> None:
         outs = [o.name for o in sess.get_outputs()]
         return lambda f: dict(zip(outs, sess.run(None, {n: f[n] for n in names})))
 
-    def rewritten(name: str, plugins: list[str], backend: str, experts_only: bool = True):
+    def rewritten(name: str, plugins: list[str], backend: str, experts_only: bool = True, source: Path = plain):
         out = work / name
         if not (out / "manifest.json").is_file():
             t = time.perf_counter()
             options = {"quant4": {"experts_only": experts_only}} if "quant4" in plugins else {}
-            apply(plain, out, plugins=plugins, backend=backend, options=options)
+            apply(source, out, plugins=plugins, backend=backend, options=options)
             print(f"  ({name}: apply + compile {time.perf_counter() - t:.0f} s)", flush=True)
         if backend == "ort":
             return ort_run(out / "model.onnx")
@@ -147,6 +151,8 @@ def main(argv=None) -> None:
         variants.append(("d rewrite-ort-moe", lambda: rewritten("ort_moe", ["moe"], "ort")))
         variants.append(("d rewrite-ort-q4x-moe", lambda: rewritten("ort_q4x_moe", ["quant4", "moe"], "ort")))
         variants.append(("d rewrite-ort-q4-moe", lambda: rewritten("ort_q4_moe", ["quant4", "moe"], "ort", experts_only=False)))
+    if "f" in groups:
+        variants.append(("f rewrite-ort-fused-q4-moe", lambda: rewritten("ort_fused_q4_moe", ["quant4", "moe"], "ort", experts_only=False, source=fused)))
     if "e" in groups:
         variants.append(("e iree-q4x-topk", lambda: rewritten("iree_q4x_topk", ["quant4", "legalize", "topk"], "iree")))
         variants.append(("e iree-q4x-topk-moe", lambda: rewritten("iree_q4x_topk_moe", ["quant4", "legalize", "topk", "moe"], "iree")))

@@ -13,6 +13,8 @@ the packed weight. Layout (that schema; ``onnxruntime/quantization/matmul_nbits_
 * ``scales``: ``[N, n_blocks]`` in A's dtype;
 * ``zero_points``: uint8 ``[N, ceil(n_blocks / 2)]`` packed like B (each row padded on its own); INT4 codes
   (quant4 ``symmetric``) are stored as ``code + 8`` with no zero points: MatMulNBits' default is 8;
+* a block larger than ``ORT_MAX_BLOCK`` (64: faster on ORT 1.32's CPU kernel, see
+  :mod:`rewrite.plugins.moe_lowering`) is split into blocks of 64 that share its scale and zero point (exact);
 * attributes ``K``, ``N``, ``bits=4``, ``block_size``, ``accuracy_level=0``: A is neither quantized nor
   downcast, so the result is the float product of A and the dequantized weight (up to summation order).
 
@@ -32,7 +34,7 @@ from onnx import TensorProto
 
 from rewrite.core.ir import Graph, Node
 from rewrite.core.rules import Builder
-from rewrite.plugins.moe_lowering import _ensure_opset, pack_int4
+from rewrite.plugins.moe_lowering import ORT_MAX_BLOCK, _ensure_opset, pack_int4
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 _CODES = {TensorProto.UINT4: 0, TensorProto.INT4: 8}  # code type -> offset to MatMulNBits' unsigned codes
@@ -116,6 +118,10 @@ def _pack(graph: Graph, p: _Pair) -> tuple[np.ndarray, np.ndarray, np.ndarray | 
         zps = None if zps is None else zps.T
     n, k = codes.shape
     bs = int(p.dq.attr("block_size"))
+    if bs > ORT_MAX_BLOCK:  # both powers of two (_match): split each block, its scale and zero point repeated
+        rep, bs = bs // ORT_MAX_BLOCK, ORT_MAX_BLOCK
+        scales = np.repeat(scales, rep, axis=1)[:, : math.ceil(k / bs)]
+        zps = None if zps is None else np.repeat(zps, rep, axis=1)[:, : math.ceil(k / bs)]
     nb = math.ceil(k / bs)
     pad = np.repeat(zps[:, -1:] if zps is not None else np.full((n, 1), 8, np.int16), nb * bs - k, axis=1)
     blocks = np.concatenate([codes, pad], axis=1).reshape(n, nb, bs)
