@@ -59,14 +59,7 @@ def seed_decoder(weights, steps: int):
     prompt = np.random.default_rng(0).integers(cfg.vocab, size=(1, 5), dtype=np.int64)
 
     def decode(run):
-        def step(ids, position, past):
-            feeds = {"input_ids": ids, "seq_position": np.array([position], np.int64)}
-            for i, (k, v) in enumerate(past):
-                feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = k, v
-            out = run(feeds)
-            return out["logits"], [(out[f"present_key_{i}"], out[f"present_value_{i}"]) for i in range(cfg.layers)]
-
-        tokens, logits, _ = seed_form._greedy(step, cfg, prompt, steps)
+        tokens, logits, _ = seed_form.greedy(seed_form.runner_step(run, cfg), cfg, prompt, steps)
         return tokens, logits
 
     return decode

@@ -651,8 +651,11 @@ def seed_reference(
 # --------------------------------------------------------------------------- check
 
 
-def _greedy(step, cfg: SeedConfig, prompt: np.ndarray, steps: int):
-    """Prefill ``prompt`` at position 0 with zero caches, then decode ``steps`` tokens one at a time."""
+def greedy(step, cfg: SeedConfig, prompt: np.ndarray, steps: int):
+    """Prefill ``prompt`` [1, n] int64 at position 0 with zero caches, then decode ``steps`` tokens one at a time.
+
+    ``step(ids, position, past) -> (logits, presents)`` runs one call (see :func:`runner_step`). Returns (the
+    ``steps`` generated token ids, the logits of every call, the presents of every call)."""
     past = [tuple(np.zeros(cfg.kv_shape, cfg.np_dtype) for _ in range(2)) for _ in range(cfg.layers)]
     ids, position, tokens, all_logits, all_presents = prompt, 0, [], [], []
     for _ in range(steps + 1):
@@ -663,6 +666,23 @@ def _greedy(step, cfg: SeedConfig, prompt: np.ndarray, steps: int):
         tokens.append(int(np.argmax(logits[0, -1])))
         ids = np.array([[tokens[-1]]], np.int64)
     return tokens[:steps], all_logits, all_presents
+
+
+def runner_step(run, cfg: SeedConfig):
+    """A decode step for :func:`greedy` from any runtime: ``run(feeds by input name) -> outputs by name``.
+
+    Feeds ``input_ids`` [1, n] int64, ``seq_position`` [1] int64 and each layer's ``past_key_{i}`` /
+    ``past_value_{i}`` [1, H_kv, max_seq, head_dim]; returns (logits [1, n, vocab], [(present key, value)] per layer).
+    """
+
+    def step(ids, position, past):
+        feeds = {"input_ids": ids, "seq_position": np.array([position], np.int64)}
+        for i, (key, value) in enumerate(past):
+            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = key, value
+        out = run(feeds)
+        return out["logits"], [(out[f"present_key_{i}"], out[f"present_value_{i}"]) for i in range(cfg.layers)]
+
+    return step
 
 
 def check_seed_model(model: onnx.ModelProto, weights: SeedWeights, *, steps: int = 6, prompt_len: int = 5) -> dict:
@@ -681,20 +701,14 @@ def check_seed_model(model: onnx.ModelProto, weights: SeedWeights, *, steps: int
     options.log_severity_level = 3  # fp16 Where on CPU warns that it cannot be constant folded
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     output_names = [o.name for o in model.graph.output]
-
-    def ort_step(ids, position, past):
-        feeds = {"input_ids": ids, "seq_position": np.array([position], np.int64)}
-        for i, (key, value) in enumerate(past):
-            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = key, value
-        out = dict(zip(output_names, session.run(output_names, feeds)))
-        return out["logits"], [(out[f"present_key_{i}"], out[f"present_value_{i}"]) for i in range(cfg.layers)]
+    ort_step = runner_step(lambda feeds: dict(zip(output_names, session.run(output_names, feeds))), cfg)
 
     def ref_step(ids, position, past):
         return seed_reference(weights, ids, position, past)
 
     prompt = np.random.default_rng(0).integers(cfg.vocab, size=(1, prompt_len), dtype=np.int64)
-    ort_tokens, ort_logits, ort_presents = _greedy(ort_step, cfg, prompt, steps)
-    ref_tokens, ref_logits, ref_presents = _greedy(ref_step, cfg, prompt, steps)
+    ort_tokens, ort_logits, ort_presents = greedy(ort_step, cfg, prompt, steps)
+    ref_tokens, ref_logits, ref_presents = greedy(ref_step, cfg, prompt, steps)
     a = np.concatenate([l.astype(np.float64).ravel() for l in ort_logits])
     r = np.concatenate([l.astype(np.float64).ravel() for l in ref_logits])
     present_err = max(

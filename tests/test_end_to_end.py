@@ -36,15 +36,8 @@ def hf_decode(path, run, steps=6):
 def seed_decode(weights, run, steps=6):
     cfg = weights.config
 
-    def step(ids, position, past):
-        feeds = {"input_ids": ids, "seq_position": np.array([position], np.int64)}
-        for i, (k, v) in enumerate(past):
-            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = k, v
-        out = run(feeds)
-        return out["logits"], [(out[f"present_key_{i}"], out[f"present_value_{i}"]) for i in range(cfg.layers)]
-
     prompt = np.array([[7, 300, 12, 45, 99]], np.int64)
-    tokens, logits, _ = seed_form._greedy(step, cfg, prompt, steps)
+    tokens, logits, _ = seed_form.greedy(seed_form.runner_step(run, cfg), cfg, prompt, steps)
     return tokens, logits
 
 

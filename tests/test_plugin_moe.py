@@ -259,7 +259,7 @@ FULL_CHAIN = ["quant4", "cast", "legalize", "expand", "kv", "topk", "moe"]
 
 
 @pytest.mark.parametrize("arch,backend", [("qwen2_moe", "ort"), ("qwen2_moe", "iree"), ("qwen3_moe", "iree")])
-def test_issue_chain_greedy_tokens_match_unfused_ort(tmp_path, request, arch, backend):
+def test_full_chain_greedy_tokens_match_unfused_ort(tmp_path, request, arch, backend):
     """The full plugin chain gives the greedy tokens (32 steps) of the same chain without ``moe`` on ORT.
 
     (The baseline keeps legalize: quant4 alone vs quant4,legalize already differ by ~1e-2 in the logits on ORT,

@@ -59,6 +59,14 @@ def _common_check(m, k: int):
         return f"k={k} outside 1..min(64, E={experts})"
 
 
+def _routing_k(m):
+    """k (int) of the matched router after the checks both forms share, or a refusal (str or Failure)."""
+    ra = _routing_attrs(m)
+    if not isinstance(ra, tuple):
+        return ra
+    return _common_check(m, ra[0]) or ra[0]
+
+
 def _const_is(m, name: str, want) -> bool:
     c = m.const(name)
     return c is not None and list(c.reshape(-1)) == list(want)
@@ -72,13 +80,9 @@ def fused_moe_hf(op, hidden, logits):
 
 @fused_moe_hf.check
 def _(m):
-    ra = _routing_attrs(m)
-    if not isinstance(ra, tuple):
-        return ra
-    k = ra[0]
-    bad = _common_check(m, k)
-    if bad:
-        return bad
+    k = _routing_k(m)
+    if not isinstance(k, int):
+        return k
     hv = m.value("hidden")
     if "fc1" in m and "fc2" in m:
         fc1, fc2 = m.value("fc1"), m.value("fc2")
@@ -171,13 +175,9 @@ def _emit_quantized(m, b, fc1: list, fc2: list, bs: int) -> str:
 
 @fused_moe_seed.check
 def _(m):
-    ra = _routing_attrs(m)
-    if not isinstance(ra, tuple):
-        return ra
-    k = ra[0]
-    bad = _common_check(m, k)
-    if bad:
-        return bad
+    k = _routing_k(m)
+    if not isinstance(k, int):
+        return k
     hv = m.value("hidden")
     H = hv.shape[1]
     if m.const("gate_codes").ndim != 3:
