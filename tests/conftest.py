@@ -24,6 +24,17 @@ def qwen2_moe_tiny(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_moe_tiny(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE-architecture decoder (fp32; top-8 of 16 experts, renormalized) exported by transformers."""
+    import qwen_moe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = qwen_moe.build_model("qwen3_moe", "tiny")
+        return qwen_moe.export_hf(model, tmp_path_factory.mktemp("qwen3_moe_tiny"))
+
+
+@pytest.fixture(scope="session")
 def seed_fp32(tmp_path_factory):
     """The seed's static-cache INT4 form (fp32): (path, weights)."""
     import seed_form

@@ -243,16 +243,6 @@ def test_declared_cases_pass_the_conformance_kit(check):
     check.run()
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_tiny(tmp_path_factory):
-    """The tiny Qwen3-MoE (top-8 of 16, renormalised, no shared expert) exported by transformers (fp32)."""
-    import warnings
-
-    import qwen_moe
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return qwen_moe.export_hf(qwen_moe.build_model("qwen3_moe", "tiny"), tmp_path_factory.mktemp("qwen3_moe_tiny"))
 
 
 FULL_CHAIN = ["quant4", "cast", "legalize", "expand", "kv", "topk", "moe"]

@@ -13,7 +13,6 @@ import ctypes
 import re
 import subprocess
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -223,11 +222,6 @@ def test_topk_plugin_conformance(check):
 
 
 # ------------------------------------------------------------------------------- real model: Qwen3-MoE
-@pytest.fixture(scope="module")
-def qwen3_moe_tiny(tmp_path_factory):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return qwen_moe.export_hf(qwen_moe.build_model("qwen3_moe", "tiny"), tmp_path_factory.mktemp("qwen3_moe_tiny"))
 
 
 def test_qwen3_moe_renormalized_router_on_iree_decodes_like_ort(qwen3_moe_tiny, tmp_path):

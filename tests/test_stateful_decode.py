@@ -7,7 +7,6 @@ module's cache equals ORT's. ``topk`` replaces IREE's own router TopK, which is 
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
@@ -24,11 +23,6 @@ STEPS = 32
 MAX_SEQ = 40
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_tiny(tmp_path_factory):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return qwen_moe.export_hf(qwen_moe.build_model("qwen3_moe", "tiny"), tmp_path_factory.mktemp("qwen3_moe_tiny"))
 
 
 @pytest.fixture(scope="module")
