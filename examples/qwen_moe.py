@@ -177,8 +177,8 @@ def export_hf(model: transformers.PreTrainedModel, out_dir: str | Path, *, past_
     - ``logits`` float [1, S, vocab]
     - ``cache.layers.{i}.keys``, ``cache.layers.{i}.values`` float [1, Hkv, T, D] (Concat(past, new) on axis 2)
 
-    The exporter names the static axes of the past inputs as symbolic dims "4", "32", ...; they are written as static
-    sizes. Weights are stored inside the file unless they exceed 1 GiB, then in ``model.onnx.data`` next to it.
+    The graph is saved as the exporter wrote it: it names the static axes of the past inputs as symbolic dims "4",
+    "32", ... (rewrite reads those as static sizes). Weights are stored inside the file unless they exceed 1 GiB, then in ``model.onnx.data`` next to it.
 
     Returns:
         The path of the written ``.onnx`` file.
@@ -191,7 +191,6 @@ def export_hf(model: transformers.PreTrainedModel, out_dir: str | Path, *, past_
                          "sample, OnnxConfig(dynamic=True, optimize=False)) and write the weights yourself")
     sample = _decode_sample(model, past_len, seq_len)
     program = OnnxExporter().export(model, sample, OnnxConfig(dynamic=True)).program
-    _make_numeric_dims_static(program.graph)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
@@ -201,16 +200,55 @@ def export_hf(model: transformers.PreTrainedModel, out_dir: str | Path, *, past_
     return path
 
 
-def _make_numeric_dims_static(graph: onnx_ir.Graph) -> None:
-    """The exporter declares the fixed axes of the past inputs (kv heads, head dim) as symbolic dims *named* "4",
-    "32", ...; turn those into static sizes so that importers see them as static."""
+class _DecodeStep(torch.nn.Module):
+    """``(input_ids, attention_mask, position_ids, *past) -> (logits, *present)`` around a causal LM, so that
+    ``torch.onnx.export`` sees flat tensors (past/present: keys and values of layer 0, then layer 1, ...)."""
 
-    def static(dim):
-        return int(dim.value) if isinstance(dim, onnx_ir.SymbolicDim) and str(dim.value).isdigit() else dim
+    def __init__(self, model: transformers.PreTrainedModel):
+        super().__init__()
+        self.model = model
 
-    for value in graph.inputs:
-        if value.shape is not None:
-            value.shape = onnx_ir.Shape([static(dim) for dim in value.shape])
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        cache = transformers.DynamicCache(config=self.model.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True)
+        present = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        return (out.logits, *present)
+
+
+def export_dynamo(model: transformers.PreTrainedModel, out_dir: str | Path, *, past_len: int = 5,
+                  seq_len: int = 2) -> Path:
+    """Export one decode step of ``model`` with ``torch.onnx.export(..., dynamo=True)`` to ``out_dir/model.onnx``,
+    saved as the exporter writes it.
+
+    Graph inputs: ``input_ids`` int64 [1, S], ``attention_mask`` int64 [1, T], ``position_ids`` int64 [1, S],
+    ``past_key_values.{i}.key`` / ``.value`` float [1, Hkv, P, D]; outputs ``logits`` [1, S, vocab] and
+    ``present.{i}.key`` / ``.value`` [1, Hkv, T, D] (S, P, T symbolic; the batch is fixed at 1).
+
+    Raises:
+        ValueError: ``model`` is on the meta device.
+    """
+    if model.device.type == "meta":
+        raise ValueError("a meta-device model has no weights to save")
+    sample = _decode_sample(model, past_len, seq_len)
+    past = [t for layer in sample["past_key_values"].layers for t in (layer.keys, layer.values)]
+    layers = len(past) // 2
+    names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    seq, total, past_dim = torch.export.Dim("seq"), torch.export.Dim("total"), torch.export.Dim("past")
+    dynamic = ({1: seq}, {1: total}, {1: seq}, tuple({2: past_dim} for _ in past))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.onnx"
+    with torch.no_grad():
+        program = torch.onnx.export(
+            _DecodeStep(model).eval(), (sample["input_ids"], sample["attention_mask"], sample["position_ids"], *past),
+            input_names=["input_ids", "attention_mask", "position_ids", *names],
+            output_names=["logits", *(n.replace("past_key_values", "present") for n in names)],
+            dynamo=True, dynamic_shapes=dynamic)
+    program.save(str(path))
+    return path
 
 
 @dataclass(frozen=True)
@@ -237,14 +275,16 @@ def decode_signature(onnx_path: str | Path) -> DecodeSignature:
     if not past:
         raise ValueError(f"{onnx_path} has no past key/value inputs (names ending in layers.N.keys/values)")
     tensor_type = past[0].type.tensor_type
-    dims = tensor_type.shape.dim
-    if len(dims) != 4 or not (dims[1].HasField("dim_value") and dims[3].HasField("dim_value")):
+    # static sizes, or symbolic dims named like integers (transformers' exporter writes the fixed axes that way)
+    dims = [d.dim_value if d.HasField("dim_value") else (int(d.dim_param) if d.dim_param.isdigit() else d.dim_param)
+            for d in tensor_type.shape.dim]
+    if len(dims) != 4 or not (isinstance(dims[1], int) and isinstance(dims[3], int)):
         raise ValueError(f"{past[0].name} should be [1, num_kv_heads, past, head_dim] with static heads and "
-                         f"head_dim, got {[d.dim_value if d.HasField('dim_value') else d.dim_param for d in dims]}")
+                         f"head_dim, got {dims}")
     return DecodeSignature(
         input_names=tuple(value.name for value in graph.input),
         output_names=tuple(value.name for value in graph.output),
-        kv_shape_per_layer=(dims[1].dim_value, dims[3].dim_value),
+        kv_shape_per_layer=(dims[1], dims[3]),
         dtype=np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)),
     )
 

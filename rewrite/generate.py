@@ -5,8 +5,13 @@
   lives in the module. :meth:`Generator.reset` clears it.
 * **static cache passed in and out** (the seed's form, or after ``kv`` on ORT): caches ``[B, H, S, D]`` are
   fed as zeros first, then each call's presents are fed back; ``seq_position`` says where to write.
-* **growing cache** (transformers' export: ``attention_mask``, ``position_ids``, ``past_key_values.*`` with
-  a symbolic past length): pasts start with 0 positions and grow by each call's presents.
+* **growing cache** (transformers' export: ``attention_mask``, ``position_ids``, pasts with a symbolic past
+  length, named ``past_key_values.*`` or ``input.cache.*``): pasts start with 0 positions and grow by each
+  call's presents.
+* **no cache** (a decoder exported without one): each call runs the whole sequence so far.
+
+Pasts are paired with presents by what the graph computes (:mod:`rewrite.core.interface`); a hybrid model's
+convolution and recurrent states are fed back whole, starting from zeros.
 
 Positions are counted here: the prompt is written at 0, each new token at the next position. With a
 static cache of ``S`` positions along the sequence axis (the state's recorded axis, else axis 2: the
@@ -23,8 +28,9 @@ import numpy as np
 
 from rewrite.backends import load_runner
 from rewrite.backends.base import Manifest
+from rewrite.core import onnx_io
+from rewrite.core.interface import decoder_interface
 from rewrite.errors import RewriteError
-from rewrite.stateful import cache_pairs
 
 SEQ_AXIS = 2  #: sequence axis of a cache tensor when the manifest does not record one
 
@@ -53,39 +59,47 @@ class Generator:
         self.manifest = Manifest.read(self.folder)
         self.runner = load_runner(self.folder)
         self.specs = {s.name: s for s in self.manifest.input_specs}
-        out_names = [s.name for s in self.manifest.output_specs]
-        self.pairs = cache_pairs(list(self.specs), out_names)
+        iface = self.manifest.decoder_interface
+        if iface is None:  # a folder written before manifests recorded the interface
+            iface = decoder_interface(onnx_io.load(self.folder / self.manifest.model))
+            if iface is not None:
+                iface.pairs = [p for p in iface.pairs if p.past in self.specs]
+        if iface is None:
+            raise GenerationError(f"{folder}: not a decoder: needs an 'input_ids' input and a 'logits' output "
+                                  f"(inputs: {', '.join(self.specs)}; outputs: {', '.join(s.name for s in self.manifest.output_specs)})")
+        self.interface = iface
+        self.pairs = [(p.past, p.present) for p in iface.pairs]
         self.state = self.manifest.state[0] if self.manifest.state else None
-        if "input_ids" not in self.specs:
-            raise GenerationError(f"{folder}: no 'input_ids' input (inputs: {', '.join(self.specs)})")
-        if "logits" not in out_names:
-            raise GenerationError(f"{folder}: no 'logits' output (outputs: {', '.join(out_names)})")
-        known = {"input_ids", "seq_position", "position_ids", "attention_mask"} | {p for p, _ in self.pairs}
+        known = {iface.input_ids, iface.seq_position, iface.position_ids, iface.attention_mask} | {p for p, _ in self.pairs}
         unknown = [n for n in self.specs if n not in known]
         if unknown:
-            raise GenerationError(f"{folder}: input '{unknown[0]}' is not a decoder input generate knows")
+            raise GenerationError(f"{folder}: input '{unknown[0]}' is not a decoder input generate knows "
+                                  f"(token ids, positions, attention mask, or a past fed back from an output)")
+        for p in iface.pairs:
+            if p.kind == "state" and any(not isinstance(d, int) for d in p.shape):
+                raise GenerationError(f"{folder}: state input '{p.past}' has a dynamic shape {list(p.shape)}; cannot start it")
         self.max_seq = self._max_seq()
+        self.recompute = self.state is None and not self.pairs and iface.seq_position is None
         self.reset()
 
     def _max_seq(self) -> int | None:
         if self.state is not None:
             axis = self.state["axis"] if self.state["axis"] is not None else SEQ_AXIS
             return int(self.state["shape"][1 + axis])
-        if self.pairs:
-            d = self.specs[self.pairs[0][0]].shape[SEQ_AXIS]
-            return d if isinstance(d, int) else None
-        return None
+        return self.interface.max_seq
 
     def reset(self) -> None:
-        """Forget the cache: the next call writes at position 0."""
+        """Forget the cache: the next call writes at position 0 (growing caches start empty along their
+        sequence axis, static caches and recurrent/conv states start as zeros of their shape)."""
         self.position = 0
+        self.context = np.zeros((1, 0), np.int64)
         if self.state is not None:
             self.runner.reset()
         self.past = {}
-        for p, _ in self.pairs:
-            spec = self.specs[p]
-            shape = [0 if not isinstance(d, int) else d for d in spec.shape]
-            self.past[p] = np.zeros(shape, spec.np_dtype)
+        for p in self.interface.pairs:
+            spec = self.specs[p.past]
+            shape = [d if isinstance(d, int) else (0 if i == p.axis else 1) for i, d in enumerate(spec.shape)]
+            self.past[p.past] = np.zeros(shape, spec.np_dtype)
 
     def step(self, ids: np.ndarray) -> np.ndarray:
         """Run the model on token ids ``[1, n]`` at the current position; returns logits ``[1, n, vocab]``.
@@ -97,21 +111,27 @@ class Generator:
         n = ids.shape[1]
         if self.max_seq is not None and self.position + n > self.max_seq:
             raise GenerationError(f"position {self.position} + {n} token(s) exceeds the cache's {self.max_seq} positions (--max-seq); call reset()")
-        feeds = {"input_ids": ids}
-        if "seq_position" in self.specs:
-            feeds["seq_position"] = np.array([self.position], np.int64)
-        if "position_ids" in self.specs:
-            feeds["position_ids"] = np.arange(self.position, self.position + n, dtype=np.int64)[None]
-        if "attention_mask" in self.specs:
-            width = self.specs["attention_mask"].shape[1]
-            width = width if isinstance(width, int) else self.position + n
-            feeds["attention_mask"] = np.ones((1, width), self.specs["attention_mask"].np_dtype)
+        iface = self.interface
+        start = self.position
+        if self.recompute:  # no cache: run the whole sequence so far, keep the new tokens' logits
+            self.context = ids = np.concatenate([self.context, ids], axis=1)
+            start = 0
+        width = ids.shape[1]
+        feeds = {iface.input_ids: ids.astype(self.specs[iface.input_ids].np_dtype)}
+        if iface.seq_position:
+            feeds[iface.seq_position] = np.array([start], self.specs[iface.seq_position].np_dtype)
+        if iface.position_ids:
+            feeds[iface.position_ids] = np.arange(start, start + width, dtype=self.specs[iface.position_ids].np_dtype)[None]
+        if iface.attention_mask:
+            mask = self.specs[iface.attention_mask].shape[1]
+            mask = mask if isinstance(mask, int) else start + width
+            feeds[iface.attention_mask] = np.ones((1, mask), self.specs[iface.attention_mask].np_dtype)
         feeds.update(self.past)
         out = self.runner.run(feeds)
         for p, o in self.pairs:
             self.past[p] = out[o]
         self.position += n
-        return out["logits"]
+        return out[iface.logits][:, -n:]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> GenerateResult:
         """Reset, prefill ``prompt_ids`` in one call, then decode ``max_new_tokens`` greedily (argmax), one per call.

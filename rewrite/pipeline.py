@@ -17,6 +17,7 @@ from rewrite.backends.base import MANIFEST, Manifest
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport, run_plugin
+from rewrite.core.interface import decoder_interface
 from rewrite.core.ir import Graph
 from rewrite.core.shapes import infer_shapes
 from rewrite.errors import BackendError, RewriteError, UnsupportedModelError
@@ -94,6 +95,16 @@ def rewrite_graph(graph: Graph, plugins: list[Plugin], ctx: RewriteContext, *, d
     return reports
 
 
+def _decoder_json(graph: Graph, manifest: Manifest) -> dict | None:
+    """The lowered function's decode interface: pairs moved into module state (``--stateful``) are left out."""
+    iface = decoder_interface(graph)
+    if iface is None:
+        return None
+    kept = {d["name"] for d in manifest.inputs}
+    iface.pairs = [p for p in iface.pairs if p.past in kept]
+    return iface.to_json()
+
+
 def apply(
     model_path: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -143,6 +154,7 @@ def apply(
             shutil.rmtree(kept, ignore_errors=True)
             tmp.rename(kept)
             raise BackendError(str(e).replace(str(tmp), str(kept)) + f" (model, MLIR and log kept in {kept})") from e
+        manifest.decoder = _decoder_json(graph, manifest)
         manifest.write(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -41,3 +41,14 @@ def seed_fp32(tmp_path_factory):
 
     model, weights = seed_form.build_seed_model("fp32")
     return seed_form.save_seed_model(model, tmp_path_factory.mktemp("seed") / "seed_fp32.onnx"), weights
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_tiny_dynamo(tmp_path_factory) -> Path:
+    """The tiny Qwen1.5-MoE decoder (fp32) exported by ``torch.onnx.export(..., dynamo=True)``."""
+    import qwen_moe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = qwen_moe.build_model("qwen2_moe", "tiny")
+        return qwen_moe.export_dynamo(model, tmp_path_factory.mktemp("qwen2_moe_tiny_dynamo"))

@@ -172,7 +172,8 @@ def _feeds(sess, rng):
         elif i.name == "seq_position":
             feeds[i.name] = np.array([3], np.int64)
         else:
-            shape = [d if isinstance(d, int) else 4 for d in i.shape]
+            # transformers' exporter names the static axes "4", "32": those are sizes; the past length is 4
+            shape = [d if isinstance(d, int) else (int(d) if str(d).isdigit() else 4) for d in i.shape]
             feeds[i.name] = (rng.standard_normal(shape) * 0.5).astype(np.float16 if "float16" in i.type else np.float32)
     return feeds
 
@@ -269,3 +270,41 @@ def test_full_chain_greedy_tokens_match_unfused_ort(tmp_path, request, arch, bac
                                             sig.kv_shape_per_layer, sig.dtype)
     assert runs["fused"][0] == runs["base"][0]
     np.testing.assert_allclose(runs["fused"][1][-1], runs["base"][1][-1], atol=1e-4)
+
+
+def _fused_logits_match(model_path: Path, out: Path, backend: str) -> None:
+    man = apply(model_path, out, plugins=["moe"], backend=backend)
+    assert _moe_report(man)["fused-moe-hf"]["matches"] == 2  # one per MoE layer
+    sess = ort.InferenceSession(str(model_path))
+    feeds = _feeds(sess, np.random.default_rng(0))
+    ref = sess.run(["logits"], feeds)[0]
+    np.testing.assert_allclose(load_runner(out).run(feeds)["logits"], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_dynamo_export_repeats_tokens_with_expand(tmp_path, qwen2_moe_tiny_dynamo, backend):
+    """torch.onnx.export(dynamo=True) repeats each token row with Expand(.., [1, k, 1]) where transformers'
+    exporter uses Tile: the same rule fires on both."""
+    ops = [n.op_type for n in onnx.load(qwen2_moe_tiny_dynamo).graph.node]
+    assert "Tile" not in ops and "Expand" in ops
+    _fused_logits_match(qwen2_moe_tiny_dynamo, tmp_path / backend, backend)
+
+
+def test_reshape_targets_computed_from_the_sequence_length(tmp_path, qwen2_moe_tiny):
+    """onnxscript 0.7.0 writes the [T, k, H] target of the per-expert sum as Concat(Shape(input_ids)[1:2],
+    [k], [H]) where 0.7.2 folds it to the constant [-1, k, H]; respelled here the 0.7.0 way, both layers fuse."""
+    model = onnx.load(qwen2_moe_tiny)
+    graph = model.graph
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    targets = [n for n in graph.node if n.op_type == "Reshape" and n.input[1] in consts
+               and consts[n.input[1]].tolist() == [-1, 4, 128]]  # k = 4, H = 128
+    assert len(targets) == 2
+    for layer, node in enumerate(targets):
+        tag = f"sum_shape_{layer}"
+        at = list(graph.node).index(node)
+        graph.node.insert(at, helper.make_node("Concat", [f"{tag}_s", f"{tag}_kh"], [f"{tag}_v"], axis=0, name=f"{tag}_cat"))
+        graph.node.insert(at, helper.make_node("Shape", ["input_ids"], [f"{tag}_s"], start=1, end=2, name=f"{tag}_shape"))
+        graph.initializer.append(numpy_helper.from_array(np.array([4, 128], np.int64), f"{tag}_kh"))
+        node.input[1] = f"{tag}_v"
+    onnx.save(model, tmp_path / "respelled.onnx")
+    _fused_logits_match(tmp_path / "respelled.onnx", tmp_path / "out", "ort")

@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from rewrite.core.feeds import TensorSpec
+from rewrite.core.interface import DecoderInterface, validate_feeds
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
 
@@ -38,6 +39,9 @@ class Manifest:
         plugins: short names of the plugins applied, in order.
         dims: dimension overrides applied.
         report: per-plugin reports (see ``rewrite.core.driver.PluginReport.to_json``).
+        decoder: the decode interface (``rewrite.core.interface.DecoderInterface.to_json``: token ids,
+            positions, mask, past/present pairs with kind and shape, vocabulary size), None when the model
+            is not a decoder.
     """
 
     backend: str
@@ -53,6 +57,7 @@ class Manifest:
     plugins: list[str] = field(default_factory=list)
     dims: dict[str, int] = field(default_factory=dict)
     report: list[dict] = field(default_factory=list)
+    decoder: dict | None = None
     format: str = MANIFEST_FORMAT
 
     def write(self, folder: Path) -> None:
@@ -80,6 +85,10 @@ class Manifest:
     def output_specs(self) -> list[TensorSpec]:
         return [TensorSpec.from_json(d) for d in self.outputs]
 
+    @property
+    def decoder_interface(self) -> DecoderInterface | None:
+        return DecoderInterface.from_json(self.decoder) if self.decoder else None
+
 
 class Runner(Protocol):
     """A loaded output folder: call it with inputs by name, get outputs by name."""
@@ -103,12 +112,14 @@ class Backend(Protocol):
     def load(self, folder: Path, manifest: Manifest) -> Runner: ...
 
 
-def check_feeds(names: list[str], feeds: dict[str, np.ndarray], where: str) -> list[np.ndarray]:
-    """Feeds in ``names`` order. Raises BackendError naming the missing or unexpected input."""
-    missing = [n for n in names if n not in feeds]
-    if missing:
-        raise BackendError(f"{where}: missing input '{missing[0]}' (inputs: {', '.join(names)})")
-    extra = [n for n in feeds if n not in names]
-    if extra:
-        raise BackendError(f"{where}: unexpected input '{extra[0]}' (inputs: {', '.join(names)})")
-    return [np.require(feeds[n], requirements='C') for n in names]  # (ascontiguousarray makes 0-d arrays 1-d)
+def check_feeds(specs: list[TensorSpec], feeds: dict[str, np.ndarray], where: str,
+                decoder: DecoderInterface | None = None) -> list[np.ndarray]:
+    """Feeds in ``specs`` order, validated first (:func:`rewrite.core.interface.validate_feeds`: names, dtypes,
+    shapes, and token ids below the decoder's vocabulary).
+
+    Raises:
+        InputError: one line naming the input and what was expected; no runtime has seen the feeds.
+    """
+    validate_feeds(specs, feeds, where, vocab=decoder.vocab if decoder else None,
+                   token_input=decoder.input_ids if decoder else None)
+    return [np.require(feeds[s.name], requirements='C') for s in specs]  # (ascontiguousarray makes 0-d arrays 1-d)

@@ -35,13 +35,15 @@ class IreeRunner:
             driver=DRIVER_FOR_TARGET[manifest.target],
         )
         self.function = manifest.entry_function
-        self.input_names = [d["name"] for d in manifest.inputs]
+        self.input_specs = manifest.input_specs
+        self.input_names = [s.name for s in self.input_specs]
+        self.decoder = manifest.decoder_interface
         self.output_names = [d["name"] for d in manifest.outputs]
         self.state = manifest.state
         self.where = str(folder)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        args = check_feeds(self.input_names, feeds, self.where)
+        args = check_feeds(self.input_specs, feeds, self.where, self.decoder)
         outs = self.module(*args, function=self.function)
         return dict(zip(self.output_names, outs))
 

@@ -17,6 +17,7 @@ from rewrite.backends.ort_matmul_nbits import lower_matmul_nbits
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN, registered_ops
 from rewrite.core.feeds import specs_of
+from rewrite.core.interface import DecoderInterface
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError, RewriteError
 
@@ -49,14 +50,19 @@ def ort_session(model_path: str | Path, *, threads: int = 0, optimize: str = "al
 class OrtRunner:
     """Runs an ONNX file on the ONNX Runtime CPU execution provider."""
 
-    def __init__(self, model_path: Path, *, threads: int = 0, optimize: str = "all"):
+    def __init__(self, model_path: Path, *, threads: int = 0, optimize: str = "all",
+                 decoder: DecoderInterface | None = None):
         self.path = model_path
         self.session = ort_session(model_path, threads=threads, optimize=optimize)
-        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.decoder = decoder
+        graph = onnx_io.read_model(model_path).graph
+        initialized = {t.name for t in graph.initializer}
+        self.input_specs = [s for s in specs_of(graph.input) if s.name not in initialized]
+        self.input_names = [s.name for s in self.input_specs]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def run(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        args = check_feeds(self.input_names, feeds, str(self.path))
+        args = check_feeds(self.input_specs, feeds, str(self.path), self.decoder)
         names = outputs or self.output_names
         try:
             res = self.session.run(names, dict(zip(self.input_names, args)))
@@ -103,4 +109,4 @@ class OrtBackend:
         ort_session(path)  # fail at apply time, not at run time, if ORT cannot load the result
 
     def load(self, folder: Path, manifest: Manifest) -> OrtRunner:
-        return OrtRunner(folder / manifest.model)
+        return OrtRunner(folder / manifest.model, decoder=manifest.decoder_interface)

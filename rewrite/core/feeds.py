@@ -41,11 +41,13 @@ class TensorSpec:
 
 
 def specs_of(vis) -> list[TensorSpec]:
-    """TensorSpecs from ValueInfoProtos (unknown dims become None)."""
+    """TensorSpecs from ValueInfoProtos (unknown dims become None; a symbolic dim named like an integer, an
+    exporter artefact, is that static size: see :mod:`rewrite.core.interface`)."""
     out = []
     for vi in vis:
         tt = vi.type.tensor_type
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        shape = tuple(d.dim_value if d.HasField("dim_value") else (int(d.dim_param) if d.dim_param.isdigit() else (d.dim_param or None))
+                      for d in tt.shape.dim)
         out.append(TensorSpec(vi.name, tt.elem_type, shape))
     return out
 

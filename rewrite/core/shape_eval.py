@@ -187,3 +187,36 @@ def known_values(graph: Graph) -> dict[str, np.ndarray]:
             if name and _small_int(val):
                 known[name] = np.asarray(val)
     return known
+
+
+def shape_elements(graph: Graph, value: str, *, depth: int = 8) -> list[int | None] | None:
+    """The entries of a 1-D int64 shape tensor, each an int where it is known and None where it depends on
+    a run-time size; None when not even the length is known.
+
+    Follows constants, ``Shape`` (with ``start``/``end``; dims of the source that are symbolic give None),
+    ``Concat`` on axis 0, and ``Cast``/``Identity``. Exporters spell the same shape as a constant
+    (``[-1, 4, 128]``) or as ``Concat(Shape(input_ids)[1:2], [4], [128])`` (onnxscript 0.7.0); patterns
+    that need only some entries to be known read them here.
+    """
+    c = graph.const(value)
+    if c is not None:
+        c = np.asarray(c)
+        return [int(x) for x in c.ravel()] if c.ndim == 1 and np.issubdtype(c.dtype, np.integer) else None
+    node = graph.producer_node(value)
+    if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in ("Cast", "Identity"):
+        return shape_elements(graph, node.inputs[0], depth=depth - 1)
+    if node.op_type == "Shape":
+        src = graph.values.get(node.inputs[0])
+        if src is None or src.shape is None:
+            return None
+        dims = [d if isinstance(d, int) else None for d in src.shape]
+        rank = len(dims)
+        start, end = node.attr("start", 0), node.attr("end", rank)
+        start, end = (max(0, min(rank, s + rank if s < 0 else s)) for s in (start, end))
+        return dims[start:end]
+    if node.op_type == "Concat" and node.attr("axis") == 0:
+        parts = [shape_elements(graph, i, depth=depth - 1) for i in node.inputs]
+        return None if any(p is None for p in parts) else [x for p in parts for x in p]
+    return None

@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 
 from rewrite.core import onnx_io
 from rewrite.core.shape_eval import known_values
+from rewrite.core.interface import exporter_static_dims
 from rewrite.core.ir import Graph
 from rewrite.errors import RewriteError
 
@@ -43,6 +44,20 @@ def override_dims(graph: Graph, dims: dict[str, int]) -> None:
             raise RewriteError(f"--dim {k}={v}: '{k}' is not a symbolic dim of the graph inputs; they are: {', '.join(known) or 'none'}")
         if v < 0:
             raise RewriteError(f"--dim {k}={v}: size must be >= 0")
+    _substitute_dims(graph, dims)
+
+
+def resolve_exporter_dims(graph: Graph) -> dict[str, int]:
+    """Make the symbolic dims named like integers (``"4"``, an exporter artefact, see
+    :func:`rewrite.core.interface.exporter_static_dims`) static on every value; returns them by name."""
+    boundary = [graph.values[n].shape for n in (*graph.inputs, *graph.outputs) if n in graph.values]
+    dims = exporter_static_dims(boundary)
+    if dims:
+        _substitute_dims(graph, dims)
+    return dims
+
+
+def _substitute_dims(graph: Graph, dims: dict[str, int]) -> None:
     boundary = set(graph.inputs) | set(graph.outputs)
     for v in graph.values.values():
         if v.shape is None or not any(isinstance(d, str) and d in dims for d in v.shape):
@@ -59,7 +74,8 @@ MAX_ROUNDS = 6  #: inference / partial-evaluation rounds before giving up on fur
 
 
 def infer_shapes(graph: Graph, dims: dict[str, int] | None = None) -> int:
-    """Apply ``dims`` (see :func:`override_dims`), run onnx shape inference with data propagation, then
+    """Read integer-named dims as static (:func:`resolve_exporter_dims`), apply ``dims`` (see
+    :func:`override_dims`), run onnx shape inference with data propagation, then
     alternate partial evaluation of shape computations and inference until no value gains a static dim.
     Records inferred types on values that had none or had a less static shape. Returns how many values
     gained information.
@@ -67,6 +83,7 @@ def infer_shapes(graph: Graph, dims: dict[str, int] | None = None) -> int:
     Raises:
         RewriteError: shape inference found an inconsistency (message names the node ONNX reports).
     """
+    resolve_exporter_dims(graph)
     if dims:
         override_dims(graph, dims)
     gained = _infer_round(graph, onnx_io.to_model(graph))

@@ -19,6 +19,7 @@ from onnx import TensorProto
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
 from rewrite.core.rules import rule
+from rewrite.core.shape_eval import shape_elements
 from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.plugins.moe_lowering import FusedMoE, _ensure_opset, _ort_block, pack_int4
 from rewrite.plugins.moe_patterns import hf_experts, seed_experts
@@ -72,6 +73,30 @@ def _const_is(m, name: str, want) -> bool:
     return c is not None and list(c.reshape(-1)) == list(want)
 
 
+def _repeats_rows(m, k: int, H: int) -> str | None:
+    """Refusal unless the Tile / Expand of ``Unsqueeze(hidden, 1)`` [T, 1, H] makes [T, k, H] (each token
+    row k times). An Expand target may hold run-time entries where broadcasting leaves no other result:
+    its first entry 1 or (for k > 1, where a mismatch cannot broadcast later) any, its last 1 or H."""
+    if "rep_tiles" in m:
+        if _const_is(m, "rep_tiles", [1, k, 1]):
+            return None
+        return f"Tile repeats '{m['rep_tiles']}' are {m.const('rep_tiles').tolist()}, expected [1, {k}, 1] for k={k}"
+    e = shape_elements(m.graph, m["rep_expand"])
+    if e is not None and len(e) == 3 and e[1] == k and (e[0] == 1 or (e[0] is None and k > 1)) and e[2] in (1, H, None):
+        return None
+    return f"Expand shape '{m['rep_expand']}' is {e}, expected [1, {k}, 1] or [1, {k}, {H}] for k={k}"
+
+
+def _reshapes_to(m, name: str, trailing: list[int]) -> str | None:
+    """Refusal unless the Reshape target ``name`` ends in ``trailing`` (known entries). Its first entry may be
+    anything (-1, or a run-time size such as onnxscript 0.7.0's ``Shape(input_ids)[1:2]``): the element
+    count of the reshaped tensor fixes it to the one value the rule assumes."""
+    e = shape_elements(m.graph, m[name])
+    if e is not None and len(e) == len(trailing) + 1 and e[1:] == trailing:
+        return None
+    return f"Reshape target '{m[name]}' is {e}, expected [-1, {', '.join(map(str, trailing))}]"
+
+
 @rule("fused-moe-hf")
 def fused_moe_hf(op, hidden, logits):
     """transformers-exported routed experts (GatherND of stacked weights, batched MatMul) -> FusedMoE."""
@@ -108,10 +133,7 @@ def _(m):
         return f"router has {m.value('logits').shape[1]} experts, weights have {E}"
     if hv.shape[1] != H:
         return f"hidden width {hv.shape[1]} != expert input width {H}"
-    for name, want in (("rep_tiles", [1, k, 1]), ("rep_shape", [-1, H]), ("sum_shape", [-1, k, H])):
-        if not _const_is(m, name, want):
-            return f"'{m[name]}' is {m.const(name).tolist()}, expected {want} for k={k}, H={H}"
-    return None
+    return _repeats_rows(m, k, H) or _reshapes_to(m, "rep_shape", [H]) or _reshapes_to(m, "sum_shape", [k, H])
 
 
 @fused_moe_hf.rewrite
@@ -188,7 +210,10 @@ def _(m):
         return bad
     if m.value("logits").shape[1] != E:
         return f"router has {m.value('logits').shape[1]} experts, weights have {E}"
-    for name, want in (("rep_tiles", [1, k, 1]), ("rep_shape", [-1, 1, H]), ("w_shape", [-1, 1, k]),
+    bad = _repeats_rows(m, k, H)
+    if bad:
+        return bad
+    for name, want in (("rep_shape", [-1, 1, H]), ("w_shape", [-1, 1, k]),
                        ("sum_shape", [-1, k, H]), ("out_shape", [-1, H])):
         if not _const_is(m, name, want):
             return f"'{m[name]}' is {m.const(name).tolist()}, expected {want} for k={k}, H={H}"

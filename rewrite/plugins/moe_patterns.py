@@ -13,7 +13,8 @@ Reusable sub-patterns (plain functions of the op builder, called once per use so
 Top-level patterns, each ending at the [T, H] routed-expert output (the sigmoid-gated shared expert of
 Qwen1.5-MoE is outside them and stays as it is):
 
-* :func:`hf_experts`: transformers' exporter with ``batched_mm`` experts (tokens repeated k times, GatherND of
+* :func:`hf_experts`: transformers' exporter and ``torch.onnx.export(dynamo=True)`` with ``batched_mm`` experts
+  (tokens repeated k times by Tile or Expand, GatherND of
   stacked [E, 2I, H] / [E, H, I] weights by expert id, batched MatMul, Split, SiLU * up, MatMul, Mul by the
   routing weight, ReduceSum over k; fp16 exports have Casts around the router and the ReduceSum);
 * :func:`seed_experts`: the seed's form (seed 000 "Expert Computation (INT4 QDQ, gather-then-compute)",
@@ -25,7 +26,7 @@ from __future__ import annotations
 from onnx import TensorProto
 
 from rewrite.core.abstract_ops import DOMAIN
-from rewrite.core.pattern import AttrVar, Const, Or
+from rewrite.core.pattern import AttrVar, Const, Or, Var
 
 FLOAT, FLOAT16, UINT4 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.UINT4
 
@@ -52,12 +53,19 @@ def routing(op, logits):
     return weights, Or([indices, r_i])
 
 
+def repeated(op, hidden):
+    """``hidden`` [T, H] with each row repeated k times, [T, k, H]: ``Tile(Unsqueeze(hidden, 1), [1, k, 1])``
+    (transformers' exporter) or ``Expand(Unsqueeze(hidden, 1), [1, k, 1])`` (``torch.onnx.export`` with
+    ``dynamo=True``); the repeat count is checked by the rule (``rep_tiles`` / ``rep_expand``)."""
+    rows = op.Unsqueeze(hidden, Const("rep_axes", value=[1]))
+    return Or([op.Tile(rows, Const("rep_tiles")), op.Expand(rows, Var("rep_expand"))])
+
+
 def hf_experts(op, hidden, logits):
     """transformers' exporter, ``batched_mm`` experts (qwen2_moe / qwen3_moe, fp32 and fp16; float stacks, or
     INT4 stacks as ``quant4`` leaves them: GatherND of codes / scales / zero points, then DequantizeLinear)."""
     weights, indices = routing(op, logits)
-    tiled = op.Tile(op.Unsqueeze(hidden, Const("rep_axes", value=[1])), Const("rep_tiles"))
-    rep = op.Reshape(tiled, Const("rep_shape"))
+    rep = op.Reshape(repeated(op, hidden), Var("rep_shape"))
     ids = op.Unsqueeze(op.Reshape(indices, Const("ids_shape", value=[-1])), Const("ids_axes", value=[-1]))
 
     def stack(name):
@@ -70,7 +78,7 @@ def hf_experts(op, hidden, logits):
     down = op.MatMul(stack("fc2"), op.Unsqueeze(act, Const("a3", value=[-1])))
     w = op.Unsqueeze(op.Reshape(weights, Const("w_shape", value=[-1])), Const("a4", value=[-1]))
     per_pair = op.Mul(op.Squeeze(down, Const("a5", value=[-1])), w)
-    grouped = op.Reshape(per_pair, Const("sum_shape"))
+    grouped = op.Reshape(per_pair, Var("sum_shape"))
     grouped = Or([op.Cast(grouped, to=FLOAT), grouped])
     total = op.ReduceSum(grouped, Const("sum_axes", value=[1]), keepdims=0, _name="sum")
     return Or([op.Cast(total, to=FLOAT16, _name="out_cast"), total])
@@ -107,8 +115,7 @@ def seed_experts(op, hidden, logits):
     flat = op.Reshape(indices, Const("ids_shape", value=[-1]))
     gather = lambda c: op.Gather(c, flat, axis=0)  # noqa: E731
     gw, uw, dw = (op.Transpose(dequantized_expert_weight(op, p, gather), perm=[0, 2, 1]) for p in ("gate", "up", "down"))
-    tiled = op.Tile(op.Unsqueeze(hidden, Const("rep_axes", value=[1])), Const("rep_tiles"))
-    rep = op.Reshape(tiled, Const("rep_shape"))
+    rep = op.Reshape(repeated(op, hidden), Const("rep_shape"))
     gate = op.MatMul(rep, gw)
     act = op.Mul(op.Mul(gate, op.Sigmoid(gate)), op.MatMul(rep, uw))
     expert_out = op.MatMul(act, dw)
