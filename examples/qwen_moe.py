@@ -135,18 +135,27 @@ def build_model(
 
 
 def _decode_sample(model: transformers.PreTrainedModel, past_len: int, seq_len: int) -> dict:
-    """Forward kwargs of one decode step: ``seq_len`` new tokens after ``past_len`` cached ones (random values)."""
+    """Forward kwargs of one decode step: ``seq_len`` new tokens after ``past_len`` cached ones (random token ids).
+
+    The cache comes from a real prefill of ``past_len`` tokens, so it has whatever layout the architecture uses
+    (per-layer keys and values, DeepSeek's latent attention, hybrid models' convolution and recurrent states).
+    A meta-device model (no weights to run) gets a DynamicCache of random keys and values instead.
+    """
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_shape = (1, config.num_key_value_heads, past_len, head_dim)
-    cache = transformers.DynamicCache(config=config)
     generator = torch.Generator().manual_seed(0)
-    for layer in range(config.num_hidden_layers):
-        keys, values = (torch.randn(kv_shape, generator=generator).to(model.device, model.dtype) for _ in range(2))
-        cache.update(keys, values, layer)
+    ids = torch.randint(0, config.vocab_size, (1, past_len + seq_len), generator=generator).to(model.device)
+    if model.device.type == "meta":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_shape = (1, config.num_key_value_heads, past_len, head_dim)
+        cache = transformers.DynamicCache(config=config)
+        for layer in range(config.num_hidden_layers):
+            cache.update(*(torch.empty(kv_shape, device="meta", dtype=model.dtype) for _ in range(2)), layer)
+    else:
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :past_len], use_cache=True).past_key_values
     total = past_len + seq_len
     return dict(
-        input_ids=torch.randint(0, config.vocab_size, (1, seq_len), generator=generator).to(model.device),
+        input_ids=ids[:, past_len:],
         attention_mask=torch.ones(1, total, dtype=torch.int64, device=model.device),
         position_ids=torch.arange(past_len, total, device=model.device)[None],
         # The deprecated alias of `cache`: it names the graph inputs `past_key_values.*` and the outputs `cache.*`,

@@ -44,6 +44,10 @@ class UnknownPluginError(RewriteError):
     """A name given to ``--plugins`` is not registered."""
 
 
+class PluginOrderError(RewriteError):
+    """The ``runs_before`` / ``runs_after`` declarations of the selected plugins form a cycle."""
+
+
 class BackendError(RewriteError):
     """A backend failed to lower, compile or run a model."""
 

@@ -56,20 +56,49 @@ class Generator:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.manifest = Manifest.read(self.folder)
-        self.runner = load_runner(self.folder)
-        self.specs = {s.name: s for s in self.manifest.input_specs}
-        iface = self.manifest.decoder_interface
+        manifest = Manifest.read(self.folder)
+        specs = manifest.input_specs
+        iface = manifest.decoder_interface
         if iface is None:  # a folder written before manifests recorded the interface
-            iface = decoder_interface(onnx_io.load(self.folder / self.manifest.model))
+            iface = decoder_interface(onnx_io.load(self.folder / manifest.model))
             if iface is not None:
-                iface.pairs = [p for p in iface.pairs if p.past in self.specs]
+                iface.pairs = [p for p in iface.pairs if p.past in {s.name for s in specs}]
+        self.manifest = manifest
+        self._setup(str(folder), load_runner(self.folder), specs, iface, manifest.state[0] if manifest.state else None)
+
+    @classmethod
+    def reference(cls, model_path: str | Path) -> "Generator":
+        """A generator over an ONNX file itself on ONNX Runtime CPU at the "basic" optimization level (exact
+        graph semantics): the reference that lowered folders are compared with.
+
+        Raises:
+            GenerationError: the model is not a decoder this module drives.
+        """
+        from rewrite.backends.ort import OrtRunner
+        from rewrite.core.feeds import specs_of
+        from rewrite.core.shapes import resolve_exporter_dims
+
+        graph = onnx_io.load(model_path)
+        resolve_exporter_dims(graph)
+        model = onnx_io.to_model(graph)
+        initialized = set(graph.initializers)
+        specs = [s for s in specs_of(model.graph.input) if s.name not in initialized]
+        iface = decoder_interface(graph)
+        self = cls.__new__(cls)
+        self.folder, self.manifest = None, None
+        self._setup(str(model_path), OrtRunner(Path(model_path), optimize="basic", decoder=iface), specs, iface, None)
+        return self
+
+    def _setup(self, where: str, runner, specs, iface, state) -> None:
+        self.runner = runner
+        self.specs = {s.name: s for s in specs}
         if iface is None:
-            raise GenerationError(f"{folder}: not a decoder: needs an 'input_ids' input and a 'logits' output "
-                                  f"(inputs: {', '.join(self.specs)}; outputs: {', '.join(s.name for s in self.manifest.output_specs)})")
+            raise GenerationError(f"{where}: not a decoder: needs an 'input_ids' input and a 'logits' output "
+                                  f"(inputs: {', '.join(self.specs)})")
+        folder = where
         self.interface = iface
         self.pairs = [(p.past, p.present) for p in iface.pairs]
-        self.state = self.manifest.state[0] if self.manifest.state else None
+        self.state = state
         known = {iface.input_ids, iface.seq_position, iface.position_ids, iface.attention_mask} | {p for p, _ in self.pairs}
         unknown = [n for n in self.specs if n not in known]
         if unknown:

@@ -52,3 +52,15 @@ def qwen2_moe_tiny_dynamo(tmp_path_factory) -> Path:
         warnings.simplefilter("ignore")
         model = qwen_moe.build_model("qwen2_moe", "tiny")
         return qwen_moe.export_dynamo(model, tmp_path_factory.mktemp("qwen2_moe_tiny_dynamo"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_tiny_grouped_mm(tmp_path_factory) -> Path:
+    """The tiny Qwen1.5-MoE decoder (fp32) with transformers' default ``grouped_mm`` experts, exported by
+    transformers' exporter: tokens sorted by expert, one MatMul per expert."""
+    import moe_families
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = moe_families.build("qwen2_moe", experts="grouped_mm")
+        return moe_families.export(model, "hf", tmp_path_factory.mktemp("qwen2_moe_tiny_grouped_mm"))

@@ -308,3 +308,37 @@ def test_reshape_targets_computed_from_the_sequence_length(tmp_path, qwen2_moe_t
         node.input[1] = f"{tag}_v"
     onnx.save(model, tmp_path / "respelled.onnx")
     _fused_logits_match(tmp_path / "respelled.onnx", tmp_path / "out", "ort")
+
+
+def test_grouped_mm_experts_fuse_by_value(tmp_path, qwen2_moe_tiny_grouped_mm):
+    """transformers' default experts implementation has no fixed structure (one MatMul per expert): the
+    by-value rule proves each layer's region equal to FusedMoE on random inputs and replaces it whole."""
+    before = onnx.load(qwen2_moe_tiny_grouped_mm)
+    assert sum(n.op_type == "MatMul" for n in before.graph.node) > 2 * 2 * 8  # gate_up and down per expert
+    man = apply(qwen2_moe_tiny_grouped_mm, tmp_path / "out", plugins=["topk", "moe"], backend="ort")
+    rep = _moe_report(man)
+    assert rep["fused-moe-by-value"]["matches"] == 2 and rep["fused-moe-hf"]["matches"] == 0
+    after = onnx.load(tmp_path / "out" / "model.onnx")
+    assert [n.op_type for n in after.graph.node].count("MoE") == 2
+    assert len(after.graph.node) < len(before.graph.node) - 2 * 100  # the per-expert regions are gone
+    sess = ort.InferenceSession(str(qwen2_moe_tiny_grouped_mm))
+    feeds = _feeds(sess, np.random.default_rng(0))
+    np.testing.assert_allclose(load_runner(tmp_path / "out").run(feeds)["logits"], sess.run(["logits"], feeds)[0],
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_region_that_computes_something_else_is_refused(tmp_path, qwen2_moe_tiny_grouped_mm):
+    """Layer 1's expert activation changed from SiLU to x * tanh(x): its region matches no FusedMoE reading, so
+    only layer 0 fuses, and the refusal gives the closest reading's error."""
+    model = onnx.load(qwen2_moe_tiny_grouped_mm)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    # the routed experts' SiLU reads the gate half of the Concat of the per-expert MatMuls
+    routed = [n for n in model.graph.node if n.op_type == "Sigmoid" and producer[n.input[0]].op_type == "Split"
+              and producer[producer[n.input[0]].input[0]].op_type == "Concat"]
+    assert len(routed) == 2
+    routed[1].op_type = "Tanh"
+    onnx.save(model, tmp_path / "altered.onnx")
+    man = apply(tmp_path / "altered.onnx", tmp_path / "out", plugins=["moe"], backend="ort")
+    rep = _moe_report(man)["fused-moe-by-value"]
+    assert rep["matches"] == 1
+    assert len(rep["refusals"]) == 1 and rep["refusals"][0]["reason"].startswith("no FusedMoE reading reproduces the region")

@@ -145,7 +145,7 @@ def _apply(graph: Graph, r: Rule, m: Match, plugin: str, rep: RuleReport) -> Non
             tag = bridge.extra.metadata_props.add()
             tag.key, tag.value = RULE_TAG, b.rule_tag
             b.created.append(bridge)
-    removed = graph.remove_dead_nodes(n.id for n in m.nodes)
+    removed = graph.remove_dead_nodes([n.id for n in m.nodes] + [n.id for n in m.extra_nodes])
     rep.nodes_removed += len(removed)
     rep.nodes_added += len([n for n in b.created if n.id in graph.nodes])
 

@@ -401,6 +401,11 @@ class Match:
         self.graph, self.pattern, self.binding = graph, pattern, binding
         self.nodes: list[Node] = sorted((graph.nodes[i] for i in binding.nodes.values()), key=lambda n: n.order)
         self.outputs: list[str] = [self._resolve_output(o) for o in pattern.outputs]
+        #: nodes a check proved part of the match beyond the pattern's own (a region matched by what it
+        #: computes); removed with the pattern's nodes when the rewrite leaves them unused
+        self.extra_nodes: list[Node] = []
+        #: what a check found for its rewrite to use
+        self.found: dict = {}
 
     def _resolve_output(self, o: ValuePattern) -> str:
         for alt in (o.alternatives if isinstance(o, Or) else [o]):

@@ -37,6 +37,8 @@ class Plugin:
         backends: backends the rewritten graph can be lowered to.
         opset_range: (min, max) default-domain opset the rules were written for; outside it ``apply`` refuses.
         kernels: kernel objects the plugin ships.
+        runs_before, runs_after: short names of plugins this one must run before / after when both are
+            selected; ``--plugins`` in any order then gives the same result (`rewrite.plugins.manager.select_plugins`).
     """
 
     name: ClassVar[str] = ""
@@ -45,6 +47,8 @@ class Plugin:
     backends: ClassVar[tuple[str, ...]] = ("ort", "iree")
     opset_range: ClassVar[tuple[int, int]] = (7, 28)
     kernels: ClassVar[Sequence[KernelObject]] = ()
+    runs_before: ClassVar[tuple[str, ...]] = ()
+    runs_after: ClassVar[tuple[str, ...]] = ()
 
     @property
     def rules(self) -> list[Rule]:

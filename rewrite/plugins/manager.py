@@ -7,7 +7,7 @@ import functools
 import pluggy
 
 from rewrite import hookspecs
-from rewrite.errors import UnknownPluginError
+from rewrite.errors import PluginOrderError, UnknownPluginError
 from rewrite.plugins.base import Plugin
 
 ENTRY_POINT_GROUP = "rewrite.plugins"
@@ -41,10 +41,13 @@ def available_plugins() -> dict[str, Plugin]:
 
 
 def select_plugins(names: list[str] | str) -> list[Plugin]:
-    """Plugins for ``--plugins a,b`` in the order given.
+    """Plugins for ``--plugins a,b`` in one canonical order, whatever the order given: the order their
+    ``runs_before`` / ``runs_after`` declarations require, otherwise registration order (built-ins first, in
+    :mod:`rewrite.plugins.builtin`'s order, then third-party plugins).
 
     Raises:
         UnknownPluginError: a name is not registered; the message lists the available ones.
+        PluginOrderError: the declarations of the selected plugins contradict each other (names the cycle).
     """
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
@@ -54,5 +57,31 @@ def select_plugins(names: list[str] | str) -> list[Plugin]:
         p = avail.get(n) or next((q for q in avail.values() if q.name == n), None)
         if p is None:
             raise UnknownPluginError(f"unknown plugin '{n}'; available: {', '.join(sorted(avail))}")
-        out.append(p)
-    return out
+        if p not in out:
+            out.append(p)
+    rank = {q.short: i for i, q in enumerate(avail.values())}
+    return _ordered(sorted(out, key=lambda p: rank[p.short]))
+
+
+def _ordered(plugins: list[Plugin]) -> list[Plugin]:
+    """Topological sort of ``plugins`` by their declared ``runs_before`` / ``runs_after``; among plugins free to
+    run, the earliest in ``plugins`` goes first."""
+    shorts = {p.short for p in plugins}
+    after: dict[str, set[str]] = {p.short: set() for p in plugins}  # plugin -> those that must run before it
+    for p in plugins:
+        for q in p.runs_before:
+            if q in shorts:
+                after[q].add(p.short)
+        for q in p.runs_after:
+            if q in shorts:
+                after[p.short].add(q)
+    done: list[Plugin] = []
+    left = list(plugins)
+    while left:
+        ready = next((p for p in left if after[p.short] <= {d.short for d in done}), None)
+        if ready is None:
+            cycle = ", ".join(f"{p.short} after {'/'.join(sorted(after[p.short] - {d.short for d in done}))}" for p in left)
+            raise PluginOrderError(f"the selected plugins' order declarations contradict each other: {cycle}")
+        done.append(ready)
+        left.remove(ready)
+    return done

@@ -14,15 +14,17 @@ stays in the graph unchanged.
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
+from rewrite.core.pattern import Const, Var
 from rewrite.core.rules import rule
 from rewrite.core.shape_eval import shape_elements
 from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.plugins.moe_lowering import FusedMoE, _ensure_opset, _ort_block, pack_int4
 from rewrite.plugins.moe_patterns import hf_experts, seed_experts
+from rewrite.plugins.moe_semantic import prove_fused_moe
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 
@@ -35,12 +37,20 @@ def _routing_attrs(m):
         if mode not in ("softmax_topk", "topk_softmax"):
             return f"MoERouterTopK mode '{mode}' is not softmax_topk or topk_softmax"
         return int(r.attr("k")), int(r.attr("normalize", 0)), mode
+    # weights and indices must come from one router spelling (one TopK node)
+    topks = {m.binding.names[n] for n in ("topk", "topk_first") if n in m.binding.names}
+    if len(topks) != 1:
+        return "routing weights and expert indices come from different TopK nodes"
+    first = "topk_first" in m.binding.names
+    if first != ("softmax_after" in m.binding.names):
+        return "routing weights and expert indices come from different router spellings"
+    topk = m.node("topk_first" if first else "topk")
     if m.attr("largest") != 1:
-        return m.fail(f"TopK has largest={m.attr('largest')}: it selects the lowest-probability experts", m.node("topk"))
+        return m.fail(f"TopK has largest={m.attr('largest')}: it selects the lowest-probability experts", topk)
     k = m.const("k").reshape(-1)
     if k.size != 1:
         return f"TopK k '{m['k']}' is not a single value"
-    return int(k[0]), int("norm_div" in m), "softmax_topk"
+    return int(k[0]), int("norm_div" in m), ("topk_softmax" if first else "softmax_topk")
 
 
 def _common_check(m, k: int):
@@ -149,6 +159,38 @@ def _(m, b):
                            _block_size(m, "fc1q"))
 
 
+@rule("fused-moe-by-value", benefit=1)
+def fused_moe_by_value(op, pairs):
+    """Routed experts of any spelling (transformers' grouped_mm, ...) ending in the per-token sum over the k
+    experts, proved equal to FusedMoE on random inputs (rewrite.plugins.moe_semantic)."""
+    return op.ReduceSum(op.Reshape(pairs, Var("sum_shape")), Const("sum_axes", value=[1]), keepdims=0, _name="sum")
+
+
+@fused_moe_by_value.check
+def _(m):
+    e = shape_elements(m.graph, m["sum_shape"])
+    if e is None or len(e) != 3 or e[1] is None or e[2] is None:
+        return f"Reshape target '{m['sum_shape']}' is {e}, expected [T, k, H]"
+    proven = prove_fused_moe(m.graph, m.node("sum"), m["pairs"], k=e[1])
+    if isinstance(proven, str):
+        return proven
+    if m.graph.values[proven.hidden].shape[1] != e[2]:
+        return f"the sum is over rows of width {e[2]}, hidden is {m.graph.values[proven.hidden].type_str()}"
+    m.found["proven"] = proven
+    m.extra_nodes = proven.region
+
+
+@fused_moe_by_value.rewrite
+def _(m, b):
+    p = m.found["proven"]
+    out = m.graph.values[m.outputs[0]]
+    dtype = helper.tensor_dtype_to_np_dtype(m.graph.values[p.hidden].dtype)
+    _ensure_opset(m.graph, DOMAIN)
+    fc1, fc2 = b.const(p.fc1.astype(dtype), "gate_up"), b.const(p.fc2.astype(dtype), "down")
+    return b.op("FusedMoE", [p.hidden, p.logits, fc1, fc2], domain=DOMAIN, k=p.k, normalize=p.normalize, mode=p.mode,
+                activation="swiglu", block_size=0, dtype=out.dtype, shape=out.shape)
+
+
 @rule("fused-moe-seed-int4")
 def fused_moe_seed(op, hidden, logits):
     """The seed's INT4 gather-then-compute experts (DequantizeLinear or legalize's form) -> FusedMoE."""
@@ -231,13 +273,15 @@ def _(m, b):
 class MoE(Plugin):
     name = "fused-moe"
     short = "moe"
+    # moe takes topk's MoERouterTopK as the router of the block it fuses
+    runs_after = ("topk",)
     description = "Fuse each MoE block's routed experts (router + SwiGLU experts + weighted sum) into FusedMoE"
     opset_range = (13, 28)
     kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "moe/moe_cpu.c"),)
 
     @property
     def rules(self):
-        return [fused_moe_hf, fused_moe_seed]
+        return [fused_moe_hf, fused_moe_seed, fused_moe_by_value]
 
     @property
     def abstract_ops(self):

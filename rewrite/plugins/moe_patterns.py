@@ -36,21 +36,29 @@ def _is(want):
     return lambda v: v == want or f"is {v}, pattern wants {want}"
 
 
-def _last_axis():
-    return AttrVar("last_axis", check=_is(-1), default=-1)  # Softmax-13 and TopK default to the last axis
+def _last_axis(name: str):
+    """The last axis of the rank-2 router logits [T, E], spelled -1 or 1 (ONNX's default is -1 for Softmax-13 and
+    TopK); the rank is checked by the rule. Each use has its own name: exporters mix the spellings."""
+    return AttrVar(name, check=lambda v: v in (-1, 1) or f"is {v}, pattern wants the last axis of [T, E]", default=-1)
 
 
 def routing(op, logits):
-    """(weights [T, k] or its flattening source, indices [T, k]) from a router over ``logits`` [T, E]."""
-    probs = op.Softmax(logits, axis=_last_axis(), _name="softmax")
+    """(weights [T, k] or its flattening source, indices [T, k]) from a router over ``logits`` [T, E]: raw
+    ``Softmax -> [Cast] -> TopK [-> Div(., ReduceSum)]``, raw ``TopK -> Softmax`` (GraniteMoE, Mixtral-style
+    top-k then softmax), or ``topk``'s ``MoERouterTopK``. The rule refuses a match whose weights and indices
+    come from different alternatives."""
+    probs = op.Softmax(logits, axis=_last_axis("softmax_axis"), _name="softmax")
     probs = Or([op.Cast(probs, to=FLOAT, _name="probs_cast"), probs])
-    values, indices = op.TopK(probs, Const("k"), axis=_last_axis(), largest=AttrVar("largest", default=1), _outputs=2, _name="topk")
+    values, indices = op.TopK(probs, Const("k"), axis=_last_axis("topk_axis"), largest=AttrVar("largest", default=1), _outputs=2, _name="topk")
     norm = op.Div(values, op.ReduceSum(values, Const("norm_axes", value=[-1]), keepdims=1), _name="norm_div")
     raw = Or([norm, values])
+    first_values, first_indices = op.TopK(logits, Const("k"), axis=_last_axis("topk_first_axis"),
+                                          largest=AttrVar("largest", default=1), _outputs=2, _name="topk_first")
+    then_softmax = op.Softmax(first_values, axis=_last_axis("softmax_after_axis"), _name="softmax_after")
     r_w, r_i = op.MoERouterTopK(logits, _domain=DOMAIN, _outputs=2, _name="router")
-    weights = Or([raw, r_w])
+    weights = Or([raw, then_softmax, r_w])
     weights = Or([op.Cast(weights, to=AttrVar("weights_to"), _name="weights_cast"), weights])
-    return weights, Or([indices, r_i])
+    return weights, Or([indices, first_indices, r_i])
 
 
 def repeated(op, hidden):

@@ -387,6 +387,8 @@ class Quant4(Plugin):
 
     name = "quantize-int4-blockwise"
     short = "quant4"
+    # topk and moe recognize the expert stacks quant4 makes, not the reverse; legalize decomposes what it makes
+    runs_before = ("topk", "moe", "legalize")
     description = "Block-wise INT4 weight-only quantization of MatMul weights and gathered expert stacks (seed INT4 form)"
     opset_range = (18, 28)
 

@@ -1,0 +1,203 @@
+"""The coverage matrix: which MoE families and export paths the plugins fuse, and whether the result is exact.
+
+For every (family, exporter, experts implementation, dtype) it exports the tiny model of
+`moe_families`, runs ``rewrite apply --plugins topk,moe`` (and ``kv`` on IREE) for ``--backend ort`` and
+``--backend iree``, and records per row:
+
+* the match counts of ``topk`` and ``moe`` against the number of MoE layers;
+* ``rewrite verify`` on each backend (outputs against ONNX Runtime on the original, at the basic level);
+* greedy tokens for ``--steps`` steps on each backend against ONNX Runtime on the original;
+* for what did not fuse, the first refusal reason of the best attempt.
+
+    python examples/coverage_matrix.py --out out/coverage --markdown docs/coverage.md
+    python examples/coverage_matrix.py --families qwen2_moe,mixtral --exporters dynamo --experts batched_mm
+
+Exit status 0 when every row that fused is exact; 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import moe_families  # noqa: E402
+
+from rewrite.core import onnx_io  # noqa: E402
+from rewrite.generate import Generator  # noqa: E402
+from rewrite.pipeline import RewriteContext, apply, rewrite_graph  # noqa: E402
+from rewrite.plugins.manager import select_plugins  # noqa: E402
+from rewrite.verify import verify  # noqa: E402
+
+PROMPT = [11, 22, 33, 44, 55]
+BACKEND_PLUGINS = {"ort": "topk,moe", "iree": "topk,moe"}
+
+
+@dataclass
+class Row:
+    """One (family, exporter, experts, dtype) of the matrix."""
+
+    family: str
+    exporter: str
+    experts: str
+    dtype: str
+    moe_layers: int = 0
+    topk: int = 0
+    moe: int = 0
+    verify: dict = field(default_factory=dict)
+    tokens: dict = field(default_factory=dict)
+    reason: str = ""
+    seconds: float = 0.0
+
+    @property
+    def fused(self) -> bool:
+        return self.moe_layers > 0 and self.moe == self.moe_layers
+
+    @property
+    def exact(self) -> bool:
+        return all(v == "pass" for v in self.verify.values()) and all(v == "equal" for v in self.tokens.values())
+
+
+def moe_layer_count(model) -> int:
+    """MoE feed-forward blocks in the model: ``experts`` modules outside attention (JetMoE's attention experts
+    are not an MoE feed-forward block)."""
+    return sum(1 for name, _ in model.named_modules() if name.endswith(".experts") and "attention" not in name)
+
+
+def first_refusal(report: list[dict], plugin: str) -> str:
+    """The first refusal of a full match, else the reason the best partial match stopped, over ``plugin``'s rules."""
+    rules = [rule for rep in report if rep["plugin"] == plugin for rule in rep["rules"]]
+    for rule in rules:
+        if rule["refusals"]:
+            return f"{plugin}/{rule['rule']}: {rule['refusals'][0]['reason']}"[:200]
+    for rule in rules:
+        if "best_partial" in rule:
+            return f"{plugin}/{rule['rule']}: {rule['best_partial']['reason']}"[:200]
+    return ""
+
+
+def stage(what: str) -> None:
+    """Announce the step a row is in, so that a crash of a runtime can be attributed (see `run_isolated`)."""
+    print(f"stage: {what}", flush=True)
+
+
+def run_isolated(row: Row, out: Path, steps: int) -> Row:
+    """`run_row` in a child process: a runtime that crashes (IREE on some exports) ends that row, not the matrix."""
+    cmd = [sys.executable, __file__, "--row", f"{row.family},{row.exporter},{row.experts},{row.dtype}",
+           "--out", str(out), "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    done = [line for line in lines if line.startswith("{")]
+    if proc.returncode == 0 and done:
+        return Row(**json.loads(done[-1]))
+    last = next((line[len("stage: "):] for line in reversed(lines) if line.startswith("stage: ")), "export")
+    why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+    row.reason = f"crashed ({why}) during: {last}"
+    return row
+
+
+def run_row(row: Row, out: Path, steps: int) -> Row:
+    import torch
+
+    t0 = time.time()
+    folder = out / f"{row.family}.{row.exporter}.{row.experts}.{row.dtype}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = moe_families.build(row.family, experts=row.experts,
+                                   dtype=torch.float16 if row.dtype == "fp16" else torch.float32)
+        row.moe_layers = moe_layer_count(model)
+        try:
+            path = moe_families.export(model, row.exporter, folder / "export")
+        except Exception as e:  # the exporter's own failure: reported, not ours to fix
+            row.reason = f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:140]}"
+            row.seconds = time.time() - t0
+            return row
+    stage("topk,moe match counts")
+    graph = onnx_io.load(path)
+    reports = [r.to_json() for r in rewrite_graph(graph, select_plugins("topk,moe"), RewriteContext(), dry_run=False)]
+    count = lambda p: sum(r["matches"] for rep in reports if rep["plugin"] == p for r in rep["rules"])  # noqa: E731
+    row.topk, row.moe = count("topk"), count("moe")
+    if not row.fused:
+        row.reason = first_refusal(reports, "moe") or first_refusal(reports, "topk")
+    stage("reference tokens on ONNX Runtime")
+    reference = Generator.reference(path).generate(PROMPT, steps).tokens
+    for backend, plugins in BACKEND_PLUGINS.items():
+        lowered = folder / backend
+        stage(f"apply, verify and generate on {backend}")
+        try:
+            apply(path, lowered, plugins=plugins, backend=backend)
+            row.verify[backend] = "pass" if all(c.ok for c in verify(path, lowered)) else "FAIL"
+            tokens = Generator(lowered).generate(PROMPT, steps).tokens
+            row.tokens[backend] = "equal" if tokens == reference else f"differ from step {next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)}"
+        except Exception as e:
+            row.verify[backend] = f"error: {str(e).splitlines()[0][:120]}"
+    row.seconds = time.time() - t0
+    return row
+
+
+def markdown(rows: list[Row], command: str) -> str:
+    lines = [
+        "# Coverage matrix", "",
+        "Tiny random decoders of the MoE families transformers ships (`examples/moe_families.py`: 2 layers, hidden 64,",
+        "8 experts), exported one decode step at a time, rewritten with `--plugins topk,moe`, lowered for ONNX Runtime",
+        "(`ort`) and IREE llvm-cpu (`iree`). `verify`: every output against ONNX Runtime on the original at the basic",
+        f"level; tokens: {len(PROMPT)}-token prompt then greedy decoding, against ONNX Runtime on the original.", "",
+        f"Produced by `{command}`.", "",
+        "| family | exporter | experts | dtype | topk | moe | verify ort | verify iree | tokens ort | tokens iree | not fused because |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.family} | {r.exporter} | {r.experts} | {r.dtype} | {r.topk}/{r.moe_layers} | {r.moe}/{r.moe_layers} | "
+                     f"{r.verify.get('ort', '-')} | {r.verify.get('iree', '-')} | {r.tokens.get('ort', '-')} | "
+                     f"{r.tokens.get('iree', '-')} | {r.reason.replace('|', '/')} |")
+    fused = [r for r in rows if r.fused]
+    lines += ["", f"{len(fused)} of {len(rows)} rows fuse every MoE layer; {sum(r.exact for r in fused)} of those are exact on both backends."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default=",".join(moe_families.FAMILIES))
+    ap.add_argument("--exporters", default=",".join(moe_families.EXPORTERS))
+    ap.add_argument("--experts", default=",".join(moe_families.EXPERTS))
+    ap.add_argument("--dtypes", default="fp32")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=Path("out/coverage"))
+    ap.add_argument("--markdown", type=Path, help="also write the table here")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--row", help=argparse.SUPPRESS)  # family,exporter,experts,dtype: one row, in this process
+    args = ap.parse_args(argv)
+    if args.row:
+        row = Row(*args.row.split(","))
+        try:
+            run_row(row, args.out, args.steps)
+        except Exception as e:  # a failure of ours: the row says what, the matrix goes on
+            row.reason = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        print(json.dumps(asdict(row)), flush=True)
+        return 0
+    rows = []
+    for family in args.families.split(","):
+        for exporter in args.exporters.split(","):
+            for experts in args.experts.split(","):
+                for dtype in args.dtypes.split(","):
+                    row = Row(family, exporter, experts, dtype)
+                    row = run_isolated(row, args.out, args.steps)
+                    rows.append(row)
+                    print(json.dumps(asdict(row)), flush=True)
+    command = "python examples/coverage_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.markdown:
+        args.markdown.write_text(markdown(rows, command.strip()))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    return 0 if all(r.exact for r in rows if r.fused) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
