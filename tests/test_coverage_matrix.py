@@ -12,23 +12,24 @@ import pytest
 import coverage_matrix
 
 FUSED = [
-    ("qwen3_moe", "dynamo", "batched_mm"),     # softmax top-k renormalized; Expand repeats the token rows
-    ("mixtral", "hf", "batched_mm"),           # softmax, top-k, renormalized
-    ("olmoe", "dynamo", "batched_mm"),
-    ("granitemoe", "hf", "batched_mm"),        # raw top-k then softmax
-    ("hunyuan_v1_moe", "hf", "batched_mm"),    # Softmax over axis 1 of [T, E], TopK over axis -1
-    ("deepseek_v2", "hf", "batched_mm"),       # latent attention; softmax top-k router, shared experts
-    ("qwen2_moe", "hf", "grouped_mm"),         # transformers' default experts: sorted tokens, one MatMul per expert
-    ("olmoe", "hf", "grouped_mm"),
+    ("qwen3_moe", "dynamo", "batched_mm", "fp32"),   # softmax top-k renormalized; Expand repeats the token rows
+    ("mixtral", "hf", "batched_mm", "fp32"),         # softmax, top-k, renormalized
+    ("mixtral", "hf", "batched_mm", "fp16"),         # expert outputs cast to f32 before the weighting: by value
+    ("olmoe", "dynamo", "batched_mm", "fp32"),
+    ("granitemoe", "hf", "batched_mm", "fp32"),      # raw top-k then softmax
+    ("hunyuan_v1_moe", "hf", "batched_mm", "fp32"),  # Softmax over axis 1 of [T, E], TopK over axis -1
+    ("deepseek_v2", "hf", "batched_mm", "fp32"),     # latent attention; softmax top-k router, shared experts
+    ("qwen2_moe", "hf", "grouped_mm", "fp32"),       # transformers' default experts: sorted tokens, a MatMul per expert
+    ("olmoe", "hf", "grouped_mm", "fp32"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, exporter, experts", FUSED, ids=["-".join(p) for p in FUSED])
-def test_family_fuses_exactly(tmp_path, family, exporter, experts):
+@pytest.mark.parametrize("family, exporter, experts, dtype", FUSED, ids=["-".join(p) for p in FUSED])
+def test_family_fuses_exactly(tmp_path, family, exporter, experts, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = coverage_matrix.run_row(coverage_matrix.Row(family, exporter, experts, "fp32"), tmp_path, steps=16)
+        row = coverage_matrix.run_row(coverage_matrix.Row(family, exporter, experts, dtype), tmp_path, steps=16)
     assert row.moe_layers == 2
     assert (row.topk, row.moe) == (2, 2), row.reason
     assert row.verify == {"ort": "pass", "iree": "pass"}

@@ -184,11 +184,16 @@ def _(m):
 def _(m, b):
     p = m.found["proven"]
     out = m.graph.values[m.outputs[0]]
-    dtype = helper.tensor_dtype_to_np_dtype(m.graph.values[p.hidden].dtype)
+    hidden = m.graph.values[p.hidden]
+    dtype = helper.tensor_dtype_to_np_dtype(hidden.dtype)
     _ensure_opset(m.graph, DOMAIN)
     fc1, fc2 = b.const(p.fc1.astype(dtype), "gate_up"), b.const(p.fc2.astype(dtype), "down")
-    return b.op("FusedMoE", [p.hidden, p.logits, fc1, fc2], domain=DOMAIN, k=p.k, normalize=p.normalize, mode=p.mode,
-                activation="swiglu", block_size=0, dtype=out.dtype, shape=out.shape)
+    fused = b.op("FusedMoE", [p.hidden, p.logits, fc1, fc2], domain=DOMAIN, k=p.k, normalize=p.normalize, mode=p.mode,
+                 activation="swiglu", block_size=0, dtype=hidden.dtype, shape=out.shape)
+    if out.dtype == hidden.dtype:
+        return fused
+    # fp16 exports sum the k expert outputs in float32: FusedMoE gives the hidden dtype, cast to the sum's
+    return b.op("Cast", [fused], to=out.dtype, dtype=out.dtype, shape=out.shape)
 
 
 @rule("fused-moe-seed-int4")
