@@ -5,6 +5,7 @@
 //   mode 0 (softmax_topk): p = softmax(x) over all E experts (f32 result, exp and sum in double),
 //                          then the k largest p;
 //   mode 1 (topk_softmax): the k largest logits x, then softmax over those k;
+//   mode 2 (topk):         the k largest x themselves (ONNX TopK, largest=1, sorted=1, last axis);
 //   normalize: w /= sum(w) over the k selected weights.
 // Selection is O(k*E): each round takes the largest value ordered after the previous pick in
 // (value descending, index ascending) order, so among equal values the lower index comes first

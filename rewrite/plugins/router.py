@@ -7,7 +7,10 @@ Forms matched (ONNX opset 13+, expert axis last):
 * ``softmax-topk-renorm``: the same, then ``Div(values, ReduceSum(values, axes=[-1], keepdims=1))``
   (Qwen3-MoE's ``router_top_value /= router_top_value.sum(dim=-1, keepdim=True)``, Mixtral);
 * ``topk-softmax`` / ``topk-softmax-renorm``: ``TopK(logits) -> Softmax`` over the k selected logits
-  (gpt-oss), optionally renormalized the same way.
+  (gpt-oss), optionally renormalized the same way;
+* ``topk-exact`` (tried last): any other float TopK over the last axis with ``largest=1, sorted=1`` (the group
+  and biased selections of sigmoid routers, routers the forms above do not cover) -> ``mode=topk``, the k
+  largest values and their indices, so that IREE never runs its own TopK on them.
 
 Why: IREE 3.13's own lowering of the router TopK returns wrong indices inside the full models (seed 000
 "TopK Extern Kernel"; located by ``rewrite verify --locate``), and its sort-based TopK costs ~216 dispatches.
@@ -37,7 +40,7 @@ from rewrite.plugins.base import KernelObject, Plugin
 
 MAX_EXPERTS = 1024  #: the kernel keeps one f32 score per expert on the stack (passed to it with -D)
 TOKENS_PER_WORKGROUP = 64  #: tokens one IREE workgroup routes
-MODES = ("softmax_topk", "topk_softmax")
+MODES = ("softmax_topk", "topk_softmax", "topk")
 _FLOATS = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 _KERNEL_FLAGS = (f"-DROUTER_TOPK_MAX_EXPERTS={MAX_EXPERTS}", f"-DROUTER_TOPK_TOKENS={TOKENS_PER_WORKGROUP}",
                  "-fno-tree-loop-distribute-patterns")  # no memset/memcpy calls: there is no libc to link
@@ -51,8 +54,9 @@ def router_topk_reference(logits: np.ndarray, k: int, normalize: int = 0, mode: 
         logits: [..., E] float16 or float32 router logits (expert axis last).
         k: experts per token, 1 <= k <= E.
         normalize: 1 to divide the k weights by their sum.
-        mode: ``softmax_topk`` (softmax over E, then the k largest probabilities) or ``topk_softmax`` (the k
-            largest logits, then softmax over them).
+        mode: ``softmax_topk`` (softmax over E, then the k largest probabilities), ``topk_softmax`` (the k
+            largest logits, then softmax over them) or ``topk`` (the k largest values themselves: ONNX TopK with
+            ``largest=1, sorted=1`` over the last axis).
         weights_dtype: float32 or float16, the weights' element type.
 
     Returns:
@@ -126,10 +130,15 @@ class MoERouterTopK(AbstractOp):
         ]
 
     def lower_ort(self, graph: Graph, node: Node) -> None:
-        """Standard ONNX: Cast to f32, Softmax/TopK in the op's order, [ReduceSum, Div], Cast to the weights type."""
+        """Standard ONNX: Cast to f32, Softmax/TopK in the op's order, [ReduceSum, Div], Cast to the weights type;
+        mode ``topk`` is the TopK it replaced."""
         k, normalize, mode = _attrs_of(node)
         b = Builder(graph, "lower/MoERouterTopK", node.order, node.name or "router")
         x = node.inputs[0]
+        if mode == "topk":
+            v, idx = b.op("TopK", [x, b.const([k], "k", np.int64)], outputs=2, axis=-1, largest=1, sorted=1)
+            graph.replace_node(node, [v, idx])
+            return
         if graph.values[x].dtype != TensorProto.FLOAT:
             x = b.op("Cast", [x], to=TensorProto.FLOAT)
         kk = b.const([k], "k", np.int64)
@@ -270,6 +279,41 @@ def _renorm(op, w):
     return op.Div(w, s, _name="div")
 
 
+@rule("topk-exact")
+def topk_exact(op, x, k=Const("k")):
+    """Any other TopK over the last axis (largest=1, sorted=1) -> MoERouterTopK(mode=topk): the exact kernel on
+    IREE instead of IREE's own TopK (group scores and biased selection of sigmoid routers, for one)."""
+    return _topk(op, x, k)
+
+
+@topk_exact.check
+def _(m):
+    topk, xv = m.node("topk"), m.value("x")
+    if xv.dtype not in _FLOATS:
+        return m.fail(f"TopK input '{m['x']}' is {dtype_name(xv.dtype)}; the kernel takes FLOAT16 or FLOAT", topk)
+    if xv.shape is None or len(xv.shape) < 2 or not isinstance(xv.shape[-1], int) or xv.shape[-1] > MAX_EXPERTS:
+        return m.fail(f"TopK input '{m['x']}' is {xv.type_str()}; expected rank >= 2 and a static last dim of at most {MAX_EXPERTS}", topk)
+    rank, e = len(xv.shape), xv.shape[-1]
+    if not _last_axis(m.attr("topk_axis"), rank):
+        return m.fail(f"TopK over axis {m.attr('topk_axis')} of rank {rank}, not the last", topk)
+    if m.attr("largest") != 1 or m.attr("sorted") != 1:
+        return m.fail(f"TopK largest={m.attr('largest')} sorted={m.attr('sorted')}; the kernel gives the largest, sorted", topk)
+    kc = m.const("k").reshape(-1)
+    if kc.size != 1 or not 1 <= int(kc[0]) <= e:
+        return m.fail(f"TopK k={kc.tolist()} is not one value in 1..{e}", topk)
+    return None
+
+
+@topk_exact.rewrite
+def _(m, b):
+    xv = m.value("x")
+    k = int(m.const("k").reshape(-1)[0])
+    if b.graph.opset(DOMAIN) is None:
+        b.graph.model_shell.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return list(b.op(MoERouterTopK.op_type, [m["x"]], domain=DOMAIN, outputs=2, dtype=[xv.dtype, TensorProto.INT64],
+                     shape=tuple(xv.shape[:-1]) + (k,), k=k, normalize=0, mode="topk"))
+
+
 @rule("softmax-topk")
 def softmax_topk(op, logits, k=Const("k")):
     """Softmax -> [Cast] -> TopK over the expert axis -> MoERouterTopK(mode=softmax_topk)."""
@@ -375,7 +419,7 @@ class RouterTopK(Plugin):
 
     @property
     def rules(self):
-        return [softmax_topk_renorm, softmax_topk, topk_softmax_renorm, topk_softmax]
+        return [softmax_topk_renorm, softmax_topk, topk_softmax_renorm, topk_softmax, topk_exact]
 
     @property
     def abstract_ops(self):
@@ -450,15 +494,16 @@ def _cases() -> list:
         ("rank3-logits", dict(form="softmax_topk", lead=("B", "S")), "softmax-topk"),
         # renormalization refused (its input is read outside), the plain router still replaced
         ("values-read-outside-keep-renorm", dict(form="softmax_topk", renorm=True, values_out=True), "softmax-topk"),
+        # not a router: the TopK alone is still replaced by the exact kernel
+        ("softmax-on-another-axis-plain-topk", dict(form="softmax_topk", sm_axis=0), "topk-exact"),
+        ("lossy-cast-f32-to-f16-plain-topk", dict(form="softmax_topk", cast_to=H), "topk-exact"),
     ]
     neg = [
-        ("softmax-on-another-axis", dict(form="softmax_topk", sm_axis=0)),
         ("topk-not-on-last-axis", dict(form="softmax_topk", sm_axis=0, topk_axis=0)),
         ("largest-0", dict(form="softmax_topk", largest=0)),
         ("sorted-0", dict(form="softmax_topk", sorted_=0)),
         ("k-larger-than-experts", dict(form="softmax_topk", e=8, k=9)),
         ("too-many-experts-for-the-kernel", dict(form="softmax_topk", e=MAX_EXPERTS + 1)),
-        ("lossy-cast-f32-to-f16", dict(form="softmax_topk", cast_to=H)),
         ("cast-to-integer", dict(form="softmax_topk", cast_to=I32)),
     ]
     out = [positive(name, (lambda kw=kw: _router_model(**kw)), {rule_name: 1}, feeds=_separated_feeds) for name, kw, rule_name in pos]
