@@ -1,8 +1,8 @@
 """The coverage matrix: which MoE families and export paths the plugins fuse, and whether the result is exact.
 
 For every (family, exporter, experts implementation, dtype) it exports the tiny model of
-`moe_families`, runs ``rewrite apply --plugins topk,moe`` (and ``kv`` on IREE) for ``--backend ort`` and
-``--backend iree``, and records per row:
+`moe_families`, runs ``rewrite apply --plugins topk,moe`` for ``--backend ort`` and ``--backend iree``
+(llvm-cpu), and records per row:
 
 * the match counts of ``topk`` and ``moe`` against the number of MoE layers;
 * ``rewrite verify`` on each backend (outputs against ONNX Runtime on the original, at the basic level);

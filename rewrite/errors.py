@@ -48,6 +48,11 @@ class PluginOrderError(RewriteError):
     """The ``runs_before`` / ``runs_after`` declarations of the selected plugins form a cycle."""
 
 
+class InputError(RewriteError):
+    """Feeds that do not fit the model's signature (missing, unexpected, wrong dtype or shape, token id
+    outside the vocabulary); raised before any runtime sees them."""
+
+
 class BackendError(RewriteError):
     """A backend failed to lower, compile or run a model."""
 

@@ -95,18 +95,17 @@ class Generator:
         if iface is None:
             raise GenerationError(f"{where}: not a decoder: needs an 'input_ids' input and a 'logits' output "
                                   f"(inputs: {', '.join(self.specs)})")
-        folder = where
         self.interface = iface
         self.pairs = [(p.past, p.present) for p in iface.pairs]
         self.state = state
         known = {iface.input_ids, iface.seq_position, iface.position_ids, iface.attention_mask} | {p for p, _ in self.pairs}
         unknown = [n for n in self.specs if n not in known]
         if unknown:
-            raise GenerationError(f"{folder}: input '{unknown[0]}' is not a decoder input generate knows "
+            raise GenerationError(f"{where}: input '{unknown[0]}' is not a decoder input generate knows "
                                   f"(token ids, positions, attention mask, or a past fed back from an output)")
         for p in iface.pairs:
             if p.kind == "state" and any(not isinstance(d, int) for d in p.shape):
-                raise GenerationError(f"{folder}: state input '{p.past}' has a dynamic shape {list(p.shape)}; cannot start it")
+                raise GenerationError(f"{where}: state input '{p.past}' has a dynamic shape {list(p.shape)}; cannot start it")
         self.max_seq = self._max_seq()
         self.recompute = self.state is None and not self.pairs and iface.seq_position is None
         self.reset()

@@ -17,7 +17,7 @@ from rewrite.backends.base import MANIFEST, Manifest
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport, run_plugin
-from rewrite.core.interface import decoder_interface
+from rewrite.core.interface import DecoderInterface, decoder_interface
 from rewrite.core.ir import Graph
 from rewrite.core.shapes import infer_shapes
 from rewrite.errors import BackendError, RewriteError, UnsupportedModelError
@@ -95,9 +95,8 @@ def rewrite_graph(graph: Graph, plugins: list[Plugin], ctx: RewriteContext, *, d
     return reports
 
 
-def _decoder_json(graph: Graph, manifest: Manifest) -> dict | None:
+def _decoder_json(iface: DecoderInterface | None, manifest: Manifest) -> dict | None:
     """The lowered function's decode interface: pairs moved into module state (``--stateful``) are left out."""
-    iface = decoder_interface(graph)
     if iface is None:
         return None
     kept = {d["name"] for d in manifest.inputs}
@@ -144,6 +143,7 @@ def apply(
             dims=ctx.dims,
             report=[r.to_json() for r in reports],
         )
+        iface = decoder_interface(graph)  # before lowering: abstract ops still say which axis a cache is written on
         try:
             be.lower(graph, tmp, manifest, options=ctx.options)
         except BackendError as e:
@@ -154,7 +154,7 @@ def apply(
             shutil.rmtree(kept, ignore_errors=True)
             tmp.rename(kept)
             raise BackendError(str(e).replace(str(tmp), str(kept)) + f" (model, MLIR and log kept in {kept})") from e
-        manifest.decoder = _decoder_json(graph, manifest)
+        manifest.decoder = _decoder_json(iface, manifest)
         manifest.write(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 
 from rewrite.backends.iree_patch import VTensor, _split_types, split_resources
+from rewrite.core.interface import cache_pairs
 from rewrite.errors import BackendError
 from rewrite.plugins.kv_cache import insert_rows_mlir
 
@@ -57,13 +58,6 @@ class StateSpec:
 
     def to_json(self) -> dict:
         return dict(name=self.name, getter=self.getter, shape=self.shape, dtype=self.dtype, entries=self.entries, axis=self.axis)
-
-
-def present_name_for(past: str) -> list[str]:
-    """Output names that pair with cache input ``past``: ``past_key_0`` -> ``present_key_0`` (seed form),
-    ``past_key_values.layers.0.keys`` -> ``cache.layers.0.keys`` (transformers 5 exporter) or
-    ``present.layers.0.keys`` (older exporters)."""
-    return [past.replace("past_key_values", "cache"), past.replace("past_key_values", "present"), past.replace("past", "present")]
 
 
 _FUNC_RE = r'^(?P<indent>\s*)func\.func\s+(?:public\s+)?@(?:"{q}"|{q})\((?P<args>.*?)\)\s*->\s*(?P<res>\(.*?\)|!torch\.vtensor<[^>]*>)\s*(?P<attrs>attributes\s*\{{.*\}})?\s*\{{\s*$'
@@ -184,20 +178,9 @@ def _sym(name: str) -> str:
     return name if re.fullmatch(r"[\w$.\-]+", name) else '"' + name.replace('"', '\\"') + '"'
 
 
-def cache_pairs(input_names: list[str], output_names: list[str]) -> list[tuple[str, str]]:
-    """(past input, present output) pairs found by name (see :func:`present_name_for`), in input order."""
-    pairs = []
-    for name in input_names:
-        for cand in present_name_for(name):
-            if cand != name and cand in output_names:
-                pairs.append((name, cand))
-                break
-    return pairs
-
-
 def make_module_stateful(mlir_path, function: str, manifest, graph) -> StateSpec:
-    """Patch ``mlir_path`` in place with :func:`make_stateful` for every cache pair of the model (found by
-    name, :func:`cache_pairs`); record the state in ``manifest.state`` and drop the cache tensors from
+    """Patch ``mlir_path`` in place with :func:`make_stateful` for every static KV cache pair of the model (found
+    from what the graph computes, :func:`rewrite.core.interface.cache_pairs`); record the state in ``manifest.state`` and drop the cache tensors from
     ``manifest.inputs``/``outputs``. The sequence axis is the one dim where a KVCacheUpdate writes, when the
     ``kv`` plugin ran (else None).
 
@@ -206,9 +189,14 @@ def make_module_stateful(mlir_path, function: str, manifest, graph) -> StateSpec
     """
     ins = [d["name"] for d in manifest.inputs]
     outs = [d["name"] for d in manifest.outputs]
-    pairs = cache_pairs(ins, outs)
+    found = cache_pairs(graph)
+    pairs = [(p.past, p.present) for p in found if p.kind == "kv-static" and p.past in ins and p.present in outs]
     if not pairs:
-        raise BackendError(f"--stateful: no (past*, present*) input/output pairs in the model (inputs: {', '.join(ins)})")
+        growing = [p.past for p in found if p.kind == "kv-growing"]
+        if growing:
+            raise BackendError(f"--stateful: the KV cache '{growing[0]}' grows by a Concat each call; a static, unchanged "
+                               f"type is needed: add --max-seq N (the kv plugin's static cache)")
+        raise BackendError(f"--stateful: no static KV cache (past input written into a present output) in the model (inputs: {', '.join(ins)})")
     dtype = next(d["dtype"] for d in manifest.inputs if d["name"] == pairs[0][0])
     axes = {n.attr("axis") for n in graph.nodes.values() if n.op_type == "KVCacheUpdate"}
     axis = axes.pop() if len(axes) == 1 else None

@@ -21,7 +21,8 @@ from onnx import helper, numpy_helper
 
 from rewrite.backends.ort import OrtRunner
 from rewrite.core import onnx_io
-from rewrite.core.interface import InputError, cache_pairs, decoder_interface, exporter_static_dims, validate_feeds
+from rewrite.core.interface import cache_pairs, decoder_interface, exporter_static_dims, validate_feeds
+from rewrite.errors import InputError
 from rewrite.core.feeds import TensorSpec
 from rewrite.core.shapes import infer_shapes
 from rewrite.generate import Generator

@@ -24,8 +24,8 @@ def test_readme_opens_with_two_setup_commands_that_ci_runs():
     assert commands[0].startswith("pip install -e '.[examples]'") and "examples/demo.py" in commands[0]
     assert commands[1].startswith("pip install -e '.[test]'") and "pytest" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    for command in commands:
-        assert command in ci, f".ci/run does not run the README's command {command!r}"
+    for command in commands:  # each as written, failing the run when any part of it fails
+        assert f"{command} || exit 1" in ci, f".ci/run does not run the README's command {command!r}"
     assert any("venv" in line and not line.lstrip().startswith("#") for line in ci), ".ci/run makes no venv"
 
 

@@ -20,20 +20,28 @@ DEFAULT_PAST = 3
 DEFAULT_TOKEN_RANGE = 16
 
 
+def integer_named(dim) -> bool:
+    """A symbolic dim whose name is a decimal integer literal (``"4"``): transformers' exporter names static axes
+    of dynamic-shape inputs that way; such a dim is read as that static size."""
+    return isinstance(dim, str) and re.fullmatch(r"[0-9]+", dim) is not None
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """Name, ONNX element type and shape (ints or symbolic names) of a graph input or output."""
+    """Name, ONNX element type (0 when not a typed tensor) and shape (ints, symbolic names or None per dim; None
+    for the whole shape when none is declared) of a graph input or output."""
 
     name: str
     dtype: int
-    shape: tuple
+    shape: tuple | None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "dtype": onnx.TensorProto.DataType.Name(self.dtype), "shape": list(self.shape)}
+        return {"name": self.name, "dtype": onnx.TensorProto.DataType.Name(self.dtype),
+                "shape": None if self.shape is None else list(self.shape)}
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorSpec":
-        return cls(d["name"], onnx.TensorProto.DataType.Value(d["dtype"]), tuple(d["shape"]))
+        return cls(d["name"], onnx.TensorProto.DataType.Value(d["dtype"]), None if d["shape"] is None else tuple(d["shape"]))
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -46,8 +54,8 @@ def specs_of(vis) -> list[TensorSpec]:
     out = []
     for vi in vis:
         tt = vi.type.tensor_type
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (int(d.dim_param) if d.dim_param.isdigit() else (d.dim_param or None))
-                      for d in tt.shape.dim)
+        shape = tuple(d.dim_value if d.HasField("dim_value") else (int(d.dim_param) if integer_named(d.dim_param) else (d.dim_param or None))
+                      for d in tt.shape.dim) if tt.HasField("shape") else None
         out.append(TensorSpec(vi.name, tt.elem_type, shape))
     return out
 
@@ -61,6 +69,7 @@ def make_feeds(specs: list[TensorSpec], dims: dict[str, int] | None = None, *, s
     """Random but meaningful inputs for ``specs`` (see the module docstring). ``dims`` fixes symbolic dims."""
     rng = np.random.default_rng(seed)
     sym: dict[str, int] = dict(dims or {})
+    specs = [s if s.shape is not None else TensorSpec(s.name, s.dtype, ()) for s in specs]  # undeclared: a scalar
     by = {s.name: s for s in specs}
 
     def bind(spec: TensorSpec | None, axis: int, size: int) -> None:

@@ -24,22 +24,17 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from rewrite.core.feeds import TensorSpec
+from rewrite.core.feeds import TensorSpec, integer_named
 from rewrite.core.ir import Graph
-from rewrite.errors import RewriteError
+from rewrite.errors import InputError
 
-#: ops through which a cache tensor passes unchanged in value (an fp16 export may cast around its Concat)
+#: ops a cache tensor may pass through between input and Concat/Scatter (an fp16 export casts around its Concat)
 _PASS_THROUGH = frozenset({"Identity", "Cast"})
 #: ops that write new positions into a cache tensor of fixed size
 _STATIC_WRITERS = frozenset({"ScatterElements", "ScatterND", "KVCacheUpdate"})
 _TOKEN_NAMES = ("input_ids", "input.input_ids")
 _POSITION_NAMES = ("position_ids", "input.position_ids")
 _MASK_NAMES = ("attention_mask", "input.attention_mask")
-
-
-class InputError(RewriteError):
-    """Feeds that do not fit the model's signature (missing, unexpected, wrong dtype or shape, token id
-    outside the vocabulary); raised before any runtime sees them."""
 
 
 def exporter_static_dims(shapes: Sequence[Sequence | None]) -> dict[str, int]:
@@ -51,7 +46,7 @@ def exporter_static_dims(shapes: Sequence[Sequence | None]) -> dict[str, int]:
     out: dict[str, int] = {}
     for shape in shapes:
         for d in shape or ():
-            if isinstance(d, str) and d.isdigit():
+            if integer_named(d):
                 out[d] = int(d)
     return out
 
@@ -111,7 +106,7 @@ class DecoderInterface:
     def max_seq(self) -> int | None:
         """Positions of a static KV cache (its size along the sequence axis), None for a growing one."""
         for p in self.pairs:
-            if p.kind == "kv-static" and isinstance(p.shape[p.axis], int):
+            if p.kind == "kv-static" and p.axis is not None and p.axis < len(p.shape) and isinstance(p.shape[p.axis], int):
                 return p.shape[p.axis]
         return None
 
@@ -152,8 +147,9 @@ def _classify(graph: Graph, present: str, inputs: set[str]) -> tuple[str, str, i
             if past is None:
                 return None
             rank = len(graph.values[past].shape or ()) or 1
-            axis = node.attr("axis") if node.op_type != "ScatterND" else None
-            return past, "kv-static", (int(axis) % rank) if axis is not None else min(2, rank - 1)
+            if node.op_type == "ScatterND":  # no axis: the [batch, heads, seq, head_dim] layout's sequence axis
+                return past, "kv-static", min(2, rank - 1)
+            return past, "kv-static", int(node.attr("axis", 0)) % rank  # ScatterElements' default axis is 0
         return None
     return None
 
@@ -189,6 +185,7 @@ def cache_pairs(graph: Graph) -> list[CachePair]:
     """
     inputs = [n for n in graph.inputs if n not in graph.initializers]
     input_set = set(inputs)
+    interface = set(_TOKEN_NAMES + _POSITION_NAMES + _MASK_NAMES) | {"seq_position"}
     found: dict[str, CachePair] = {}
     taken: set[str] = set()
     for out in graph.outputs:
@@ -198,12 +195,13 @@ def cache_pairs(graph: Graph) -> list[CachePair]:
             found[past] = CachePair(past, out, kind, axis, tuple(graph.values[past].shape or ()))
             taken.add(out)
     for past in inputs:
-        if past in found:
+        if past in found or past in interface:
             continue
         candidates = [o for o in graph.outputs if o not in taken and _same_type(graph, past, o)]
         if not candidates:
             continue
-        candidates = [o for o in candidates if o in _downstream_outputs(graph, past)]
+        downstream = _downstream_outputs(graph, past)
+        candidates = [o for o in candidates if o in downstream]
         layer = _trailing_number(past)
         best = next((o for o in candidates if layer is not None and _trailing_number(o) == layer), None)
         if best is None and len(candidates) == 1:
@@ -251,8 +249,10 @@ def validate_feeds(specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray],
     bound: dict[str, tuple[int, str]] = {}
     for spec in specs:
         arr = np.asarray(feeds[spec.name])
-        if arr.dtype != spec.np_dtype:
+        if spec.dtype and arr.dtype != spec.np_dtype:
             raise InputError(f"{where}: input '{spec.name}' is {arr.dtype}, expected {spec.np_dtype}")
+        if spec.shape is None:  # no declared shape: any shape goes
+            continue
         if arr.ndim != len(spec.shape):
             raise InputError(f"{where}: input '{spec.name}' has shape {list(arr.shape)}, expected rank {len(spec.shape)} {list(spec.shape)}")
         for axis, (got, want) in enumerate(zip(arr.shape, spec.shape)):

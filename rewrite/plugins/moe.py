@@ -3,10 +3,13 @@
 Rules (patterns in :mod:`rewrite.plugins.moe_patterns`, the op and its lowerings in
 :mod:`rewrite.plugins.moe_lowering`):
 
-* ``fused-moe-hf``: transformers' exporter form (fp32/fp16; float stacks or ``quant4``'s INT4 stacks);
-* ``fused-moe-seed-int4``: the seed's INT4 form, DequantizeLinear or after ``legalize``.
+* ``fused-moe-hf``: ``batched_mm`` experts as transformers' exporter and ``torch.onnx.export(dynamo=True)`` write
+  them (fp32/fp16; float stacks or ``quant4``'s INT4 stacks);
+* ``fused-moe-seed-int4``: the seed's INT4 form, DequantizeLinear or after ``legalize``;
+* ``fused-moe-by-value`` (tried last): any region that ends in the per-token sum over the k experts and passes
+  the numerical check of :mod:`rewrite.plugins.moe_semantic` (transformers' default ``grouped_mm`` experts).
 
-Both accept the router as the raw Softmax/TopK chain or as the ``topk`` plugin's ``MoERouterTopK``, so
+All accept the router as the raw Softmax/TopK chain or as the ``topk`` plugin's ``MoERouterTopK``, so
 ``--plugins moe`` works alone and after ``topk``. The shared expert (Qwen1.5-MoE) is not part of the match and
 stays in the graph unchanged.
 """
@@ -18,6 +21,7 @@ from onnx import TensorProto, helper
 
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
+from rewrite.core.matcher import Match, Matcher
 from rewrite.core.pattern import Const, Var
 from rewrite.core.rules import rule
 from rewrite.core.shape_eval import shape_elements
@@ -32,6 +36,8 @@ _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 def _routing_attrs(m):
     """(k, normalize, mode) of the matched router, or a refusal string."""
     if "router" in m:
+        if "topk" in m.binding.names or "topk_first" in m.binding.names:
+            return "routing weights and expert indices come from different routers"
         r = m.node("router")
         mode = r.attr("mode", "softmax_topk")
         if mode not in ("softmax_topk", "topk_softmax"):
@@ -42,8 +48,6 @@ def _routing_attrs(m):
     if len(topks) != 1:
         return "routing weights and expert indices come from different TopK nodes"
     first = "topk_first" in m.binding.names
-    if first != ("softmax_after" in m.binding.names):
-        return "routing weights and expert indices come from different router spellings"
     topk = m.node("topk_first" if first else "topk")
     if m.attr("largest") != 1:
         return m.fail(f"TopK has largest={m.attr('largest')}: it selects the lowest-probability experts", topk)
@@ -166,8 +170,20 @@ def fused_moe_by_value(op, pairs):
     return op.ReduceSum(op.Reshape(pairs, Var("sum_shape")), Const("sum_axes", value=[1]), keepdims=0, _name="sum")
 
 
+def _left_to_structural_rules(m) -> bool:
+    """The sum is the end of a block ``fused-moe-hf`` accepts (in a dry run it is still there when this rule
+    looks): counted once, by the structural rule."""
+    sum_node = m.node("sum")
+    anchors = [sum_node] + [c for c in m.graph.consumers(sum_node.outputs[0]) if c.op_type == "Cast"]
+    matcher = Matcher(m.graph, fused_moe_hf.pattern)
+    return any(fused_moe_hf.run_check(Match(m.graph, fused_moe_hf.pattern, b)) is None
+               for a in anchors for b in matcher.match_at(a))
+
+
 @fused_moe_by_value.check
 def _(m):
+    if _left_to_structural_rules(m):
+        return "left to fused-moe-hf, which matches this block"
     e = shape_elements(m.graph, m["sum_shape"])
     if e is None or len(e) != 3 or e[1] is None or e[2] is None:
         return f"Reshape target '{m['sum_shape']}' is {e}, expected [T, k, H]"

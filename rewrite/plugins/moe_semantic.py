@@ -10,15 +10,17 @@ inverse permutation; the number of nodes grows with the number of experts. Inste
    ``topk``'s ``MoERouterTopK`` (whose routing is then known), with ``logits = MatMul/Gemm(hidden, W)``;
 2. collects the region: every node between ``hidden``/``logits`` and the sum (it may read graph inputs only
    through ``Shape``), and its stacked expert weights (rank-3 initializers with E as the first dim);
-3. runs the region alone on ONNX Runtime (basic level) with random ``hidden`` and ``logits`` for T = 1 and 3,
-   and compares it with `FusedMoE.reference` under each reading of the weights (gate/up stack [E, 2I, H] or
+3. refuses regions that compare, clamp or round float data (thresholds random inputs may never reach) or
+   use ops of other domains; runs the region alone on ONNX Runtime (basic level) with random ``hidden`` and
+   ``logits`` for T = 1, 3 and E + 1 tokens and once with activations 30 times larger, and compares it with
+   `FusedMoE.reference` under each reading of the weights (gate/up stack [E, 2I, H] or
    its transpose, gate and up concatenated or interleaved; down [E, H, I] or its transpose) and of the routing
    (softmax then top-k, renormalized or not; top-k then softmax).
 
 The first reading that reproduces the region within the dtype's tolerance (float32 1e-4, float16 1e-2,
 relative to the largest output) on every draw is the match; if none does, the region is refused with the
-closest reading's error. This is a numerical check on random inputs, not a proof: it is how the design asks
-candidates that structure alone cannot prove to be checked.
+closest reading's error. This is a numerical check on random inputs, not a proof ("proved" below means
+passed this check): it is how candidates that structure alone cannot establish are checked.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ from rewrite.plugins.router import router_topk_reference
 
 #: the region may not be larger than this many nodes (grouped_mm with 128 experts is about 1,000)
 MAX_REGION_NODES = 4000
+#: ops that compare, clamp or round: on float data they make thresholds random inputs may never reach (a
+#: clamped SwiGLU, capacity limits), so a region applying them to floats is refused, not checked
+_THRESHOLD_OPS = frozenset({"Clip", "Min", "Max", "Relu", "LeakyRelu", "ThresholdedRelu", "Less", "LessOrEqual",
+                            "Greater", "GreaterOrEqual", "Equal", "Abs", "Sign", "Floor", "Ceil", "Round", "IsInf",
+                            "IsNaN", "Mod", "HardSigmoid", "HardSwish", "Shrink"})
+#: FusedMoE's kernels take at most this many experts per token (plugin_kernels/moe/moe_cpu.c MAX_K)
+MAX_K = 64
 #: relative tolerance of the numerical check by hidden dtype
 TOLERANCE = {TensorProto.FLOAT: 1e-4, TensorProto.FLOAT16: 1e-2, TensorProto.BFLOAT16: 1e-2}
 _ROUTINGS = (("softmax_topk", 0), ("softmax_topk", 1), ("topk_softmax", 0))
@@ -142,7 +151,9 @@ def _aliases(graph: Graph, value: str) -> list[str]:
     once for the router and once for the experts)."""
     out = [value]
     node = graph.producer_node(value)
-    while node is not None and node.op_type in ("Reshape", "Identity") and graph.values[node.inputs[0]].shape == graph.values[value].shape:
+    shape = graph.values[value].shape
+    while (node is not None and node.op_type in ("Reshape", "Identity") and shape is not None
+           and all(isinstance(d, int) or isinstance(d, str) for d in shape) and graph.values[node.inputs[0]].shape == shape):
         out.append(node.inputs[0])
         node = graph.producer_node(node.inputs[0])
     return out
@@ -155,14 +166,16 @@ def _region_model(graph: Graph, region: list[Node], cut: list[str], out: str) ->
     inputs, inits = [], []
     for n in region:
         for i in n.inputs:
-            if not i or i in produced or i in inputs or i in inits:
+            if not i or i in produced:
                 continue
             if i in graph.initializers:
-                inits.append(i)
-            elif i in cut or (i in graph.inputs and n.op_type == "Shape"):
-                inputs.append(i)
+                if i not in inits:
+                    inits.append(i)
+            elif i in cut or (i in graph.inputs and n.op_type == "Shape"):  # checked at every read
+                if i not in inputs:
+                    inputs.append(i)
             else:
-                return f"the region reads '{i}' (not the router's hidden or logits, a constant, or a shape)"
+                return f"the region reads '{i}' in {n.describe()} (not the router's hidden or logits, a constant, or a shape)"
     nodes = []
     for n in region:
         proto = helper.make_node(n.op_type, n.inputs, n.outputs, name=n.name, domain=n.domain)
@@ -213,6 +226,11 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
         cut = [logits]
     if selected != k:
         return f"router {router.node.describe()} selects {selected} experts, the sum adds {k}"
+    hv, lv = graph.values[hidden], graph.values[logits]
+    if hv.dtype not in TOLERANCE or lv.dtype != hv.dtype or not isinstance(hv.shape[1], int):
+        return f"hidden '{hidden}' is {hv.type_str()}, logits '{logits}' {lv.type_str()}: expected one float dtype and a static width"
+    if not 1 <= k <= min(MAX_K, E):
+        return f"k={k} outside 1..min({MAX_K}, E={E})"
     out = sum_node.outputs[0]
     hidden_aliases = _aliases(graph, hidden)
     cut = hidden_aliases + cut
@@ -221,8 +239,15 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
     if region is None:
         return f"more than {MAX_REGION_NODES} nodes between the router and the sum"
     region = sorted(region + [sum_node], key=lambda n: n.order)
-    H = graph.values[hidden].shape[1]
-    weights = [graph.const(i) for n in region for i in n.inputs if i in graph.initializers]
+    for n in region:
+        first = graph.values.get(n.inputs[0]) if n.inputs and n.inputs[0] else None
+        if n.op_type in _THRESHOLD_OPS and first is not None and first.dtype in TOLERANCE:
+            return f"{n.describe()} applies a threshold to float data; a random-input check cannot cover it"
+        if n.domain not in ("", "ai.onnx"):
+            return f"{n.describe()} is in domain '{n.domain}'"
+    H = hv.shape[1]
+    names = dict.fromkeys(i for n in region for i in n.inputs if i in graph.initializers)
+    weights = [graph.const(i) for i in names]
     weights = [w for w in weights if w is not None and w.ndim == 3 and w.shape[0] == E]
     if len(weights) != 2:
         return f"{len(weights)} stacked expert weights [E={E}, ., .] in the region (want gate/up and down)"
@@ -242,9 +267,10 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
     read = {i.name for i in model.graph.input}
     extra = [s for s in specs_of(model.graph.input) if s.name not in cut]
     draws = []
-    for T in (1, 3):
+    # a single token, a few, more tokens than experts (several tokens per expert), and large activations
+    for T, scale in ((1, 1.0), (3, 1.0), (min(E + 1, 33), 1.0), (2, 30.0)):
         feeds = make_feeds(extra, seq=T, seed=seed) if extra else {}
-        x = rng.standard_normal((T, H)).astype(dtype)
+        x = (rng.standard_normal((T, H)) * scale).astype(dtype)
         feeds.update({a: x for a in hidden_aliases if a in read})
         z = (rng.standard_normal((T, E)) * 3).astype(helper.tensor_dtype_to_np_dtype(graph.values[logits].dtype))
         if router.fused:
@@ -271,7 +297,10 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
                 if err > tol:
                     break
             if err <= tol:
+                removable = [n for n in region if n.id != sum_node.id]
+                if router.fused:  # topk's router goes too when nothing else reads it
+                    removable.append(router.node)
                 return Proven(hidden, logits, fc1.astype(np.float32), fc2.astype(np.float32), k, normalize, mode,
-                              [n for n in region if n.id != sum_node.id], err)
+                              removable, err)
             closest = min(closest, (err, f"{how}, {mode}{' renormalized' if normalize else ''}"))
     return f"no FusedMoE reading reproduces the region (closest: {closest[1]}, relative error {closest[0]:.2e})"
