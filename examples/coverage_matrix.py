@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -83,6 +84,13 @@ def first_refusal(report: list[dict], plugin: str) -> str:
     return ""
 
 
+def one_line(error: BaseException | str) -> str:
+    """The first line of an error without terminal colours or temporary folders (the table must not change
+    with where it was produced)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()[0] if str(error).strip() else ""
+    return re.sub(r"(/[^\s:]*/)+(?=[^/\s:]+)", "", text)[:160]
+
+
 def stage(what: str) -> None:
     """Announce the step a row is in, so that a crash of a runtime can be attributed (see `run_isolated`)."""
     print(f"stage: {what}", flush=True)
@@ -116,7 +124,7 @@ def run_row(row: Row, out: Path, steps: int) -> Row:
         try:
             path = moe_families.export(model, row.exporter, folder / "export")
         except Exception as e:  # the exporter's own failure: reported, not ours to fix
-            row.reason = f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:140]}"
+            row.reason = f"export failed: {type(e).__name__}: {one_line(e)}"
             row.seconds = time.time() - t0
             return row
     stage("topk,moe match counts")
@@ -137,7 +145,7 @@ def run_row(row: Row, out: Path, steps: int) -> Row:
             tokens = Generator(lowered).generate(PROMPT, steps).tokens
             row.tokens[backend] = "equal" if tokens == reference else f"differ from step {next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)}"
         except Exception as e:
-            row.verify[backend] = f"error: {str(e).splitlines()[0][:120]}"
+            row.verify[backend] = f"error: {one_line(e)}"
     row.seconds = time.time() - t0
     return row
 
@@ -179,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_row(row, args.out, args.steps)
         except Exception as e:  # a failure of ours: the row says what, the matrix goes on
-            row.reason = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            row.reason = f"error: {type(e).__name__}: {one_line(e)}"
         print(json.dumps(asdict(row)), flush=True)
         return 0
     rows = []

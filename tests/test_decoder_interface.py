@@ -255,3 +255,28 @@ def test_generate_drives_each_interface_like_a_full_recompute(tmp_path, kind):
         return session.run(feeds)["logits"]
 
     assert got == _reference_greedy(full, [3, 1, 4], 6)
+
+
+def _window_model(path: Path, static: bool) -> Path:
+    """present = Slice(Concat(Slice(past), new), last W) along axis 2: a convolution state when the past's length
+    is static, a sliding-window KV cache when it is symbolic."""
+    const = lambda name, value: numpy_helper.from_array(np.array(value, np.int64), name)  # noqa: E731
+    past_len = 3 if static else "p"
+    nodes = [
+        helper.make_node("Slice", ["past.0", "minus_w", "big", "axis2"], ["kept"], name="trim_past"),
+        helper.make_node("Concat", ["kept", "new"], ["joined"], axis=2, name="window_concat"),
+        helper.make_node("Slice", ["joined", "minus_w", "big", "axis2"], ["present.0"], name="keep_last"),
+    ]
+    graph = helper.make_graph(
+        nodes, "window",
+        [helper.make_tensor_value_info("past.0", TP.FLOAT, [1, 4, past_len, 2]),
+         helper.make_tensor_value_info("new", TP.FLOAT, [1, 4, 1, 2])],
+        [helper.make_tensor_value_info("present.0", TP.FLOAT, [1, 4, past_len if static else None, 2])],
+        [const("minus_w", [-3]), const("big", [1 << 30]), const("axis2", [2])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def test_windows_pair_as_state_or_sliding_cache(tmp_path):
+    assert _pairs(_window_model(tmp_path / "conv.onnx", static=True)) == [("past.0", "present.0", "state", None)]
+    assert _pairs(_window_model(tmp_path / "swa.onnx", static=False)) == [("past.0", "present.0", "kv-growing", 2)]

@@ -6,10 +6,11 @@ Exporters leave artefacts in graph signatures that a runtime must not have to gu
   inputs as symbolic dims *named* ``"4"``, ``"32"``; :func:`exporter_static_dims` reads such a dim as the
   static size it names (`rewrite.core.shapes.infer_shapes` applies it before inference).
 * past and present caches are paired by what the graph computes, not by their names: a present output that
-  is ``Concat(past, new)`` of a past input is a growing KV cache along the Concat's axis; one written by
-  ``ScatterElements``/``ScatterND``/``KVCacheUpdate`` into a past input is a static KV cache; any other output
-  with the same type as an input it is computed from (hybrid models' conv and recurrent state) is carried
-  state. Names only break ties (``past_key_values.*``, ``input.cache.*``, ``past_key_0`` ...).
+  is ``Concat(past, new)`` of a past input (through Casts, and Slices of a sliding window) is a growing KV
+  cache along the Concat's axis, or a fixed-length window (a convolution state) when a Slice keeps a static
+  length; one written by ``ScatterElements``/``ScatterND``/``KVCacheUpdate`` into a past input is a static KV
+  cache; any other output with the same static type as an input (hybrid models' recurrent state) is carried
+  state. Names only break ties (``past_key_values.X`` pairs with ``cache.X`` or ``present.X``).
 
 :func:`decoder_interface` records the result (token ids, positions, mask, pairs with their kinds and
 shapes, vocabulary size) and :func:`validate_feeds` checks feeds against a signature before any runtime
@@ -116,11 +117,11 @@ def _first(names: Sequence[str], candidates: Sequence[str]) -> str | None:
 
 
 def _source_input(graph: Graph, value: str, inputs: set[str]) -> str | None:
-    """The graph input ``value`` equals up to Identity/Cast, else None."""
+    """The graph input ``value`` is, up to Identity/Cast (and Slice: a sliding window trims the past), else None."""
     seen = 0
     while value not in inputs and seen < 8:
         node = graph.producer_node(value)
-        if node is None or node.op_type not in _PASS_THROUGH or not node.inputs:
+        if node is None or (node.op_type not in _PASS_THROUGH and node.op_type != "Slice") or not node.inputs:
             return None
         value, seen = node.inputs[0], seen + 1
     return value if value in inputs else None
@@ -128,20 +129,24 @@ def _source_input(graph: Graph, value: str, inputs: set[str]) -> str | None:
 
 def _classify(graph: Graph, present: str, inputs: set[str]) -> tuple[str, str, int | None] | None:
     """(past input, kind, axis) for a present output, from the op that makes it; None when it is no cache."""
-    value = present
+    value, sliced = present, False
     for _ in range(8):
         node = graph.producer_node(value)
         if node is None:
             return None
-        if node.op_type in _PASS_THROUGH:
+        if node.op_type in _PASS_THROUGH or node.op_type == "Slice":  # Slice: a sliding window keeps the last W
+            sliced |= node.op_type == "Slice"
             value = node.inputs[0]
             continue
         if node.op_type == "Concat" and node.inputs:
             past = _source_input(graph, node.inputs[0], inputs)
-            if past is not None:
-                rank = len(graph.values[past].shape or ()) or 1
-                return past, "kv-growing", int(node.attr("axis")) % rank
-            return None
+            if past is None:
+                return None
+            shape = graph.values[past].shape or ()
+            axis = int(node.attr("axis")) % (len(shape) or 1)
+            if sliced and axis < len(shape) and isinstance(shape[axis], int):
+                return past, "state", None  # a window of fixed length (a convolution state), fed back whole
+            return past, "kv-growing", axis
         if node.op_type in _STATIC_WRITERS and node.inputs:
             past = _source_input(graph, node.inputs[0], inputs)
             if past is None:
@@ -171,17 +176,22 @@ def _downstream_outputs(graph: Graph, value: str) -> set[str]:
     return seen & set(graph.outputs)
 
 
-def _trailing_number(name: str) -> str | None:
-    m = re.search(r"(\d+)\D*$", name)
-    return m.group(1) if m else None
+_CACHE_PREFIX = re.compile(r"^(past_key_values|input\.cache|output\.cache|cache|present|past)[._]")
+
+
+def _name_key(name: str) -> str:
+    """A cache name without its exporter's input/output prefix: ``past_key_values.layers.0.conv_states.0`` and
+    ``cache.layers.0.conv_states.0`` both give ``layers.0.conv_states.0``."""
+    return _CACHE_PREFIX.sub("", name)
 
 
 def cache_pairs(graph: Graph) -> list[CachePair]:
     """Past/present pairs of ``graph`` in input order (see the module docstring for how they are found).
 
-    A fixed-size state input is paired with an output of the same static type computed from it; when several
-    outputs qualify, the first one whose name carries the input's layer number (the last number in the name)
-    wins, and a state left ambiguous is not paired.
+    A fixed-size state input is paired with an output of the same static type computed from it (or, when the
+    export does not read the input, any output of its type); when several outputs qualify, the one whose name
+    is the input's without the exporter's prefix wins (``past_key_values.X`` / ``cache.X``), and a state left
+    ambiguous is not paired.
     """
     inputs = [n for n in graph.inputs if n not in graph.initializers]
     input_set = set(inputs)
@@ -201,9 +211,8 @@ def cache_pairs(graph: Graph) -> list[CachePair]:
         if not candidates:
             continue
         downstream = _downstream_outputs(graph, past)
-        candidates = [o for o in candidates if o in downstream]
-        layer = _trailing_number(past)
-        best = next((o for o in candidates if layer is not None and _trailing_number(o) == layer), None)
+        candidates = [o for o in candidates if o in downstream] or candidates
+        best = next((o for o in candidates if _name_key(o) == _name_key(past)), None)
         if best is None and len(candidates) == 1:
             best = candidates[0]
         if best is not None:
