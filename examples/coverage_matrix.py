@@ -62,8 +62,14 @@ class Row:
         return self.moe_layers > 0 and self.moe == self.moe_layers
 
     @property
+    def exported(self) -> bool:
+        return not self.reason.startswith("export failed")
+
+    @property
     def exact(self) -> bool:
-        return all(v == "pass" for v in self.verify.values()) and all(v == "equal" for v in self.tokens.values())
+        """verify passed and the tokens were equal on every backend."""
+        return (set(self.verify) == set(self.tokens) == set(BACKEND_PLUGINS) and all(v == "pass" for v in self.verify.values())
+                and all(v == "equal" for v in self.tokens.values()))
 
 
 def moe_layer_count(model) -> int:
@@ -106,8 +112,11 @@ def run_isolated(row: Row, out: Path, steps: int) -> Row:
     if proc.returncode == 0 and done:
         return Row(**json.loads(done[-1]))
     last = next((line[len("stage: "):] for line in reversed(lines) if line.startswith("stage: ")), "export")
+    partial = [line[len("partial: "):] for line in lines if line.startswith("partial: ")]
+    if partial:
+        row = Row(**json.loads(partial[-1]))
     why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-    row.reason = f"crashed ({why}) during: {last}"
+    row.reason = f"crashed ({why}) during: {last}" + (f"; {row.reason}" if row.reason else "")
     return row
 
 
@@ -134,6 +143,7 @@ def run_row(row: Row, out: Path, steps: int) -> Row:
     row.topk, row.moe = count("topk"), count("moe")
     if not row.fused:
         row.reason = first_refusal(reports, "moe") or first_refusal(reports, "topk")
+    print("partial: " + json.dumps(asdict(row)), flush=True)  # what a crash later in the row keeps
     stage("reference tokens on ONNX Runtime")
     reference = Generator.reference(path).generate(PROMPT, steps).tokens
     for backend, plugins in BACKEND_PLUGINS.items():
@@ -165,8 +175,11 @@ def markdown(rows: list[Row], command: str) -> str:
         lines.append(f"| {r.family} | {r.exporter} | {r.experts} | {r.dtype} | {r.topk}/{r.moe_layers} | {r.moe}/{r.moe_layers} | "
                      f"{r.verify.get('ort', '-')} | {r.verify.get('iree', '-')} | {r.tokens.get('ort', '-')} | "
                      f"{r.tokens.get('iree', '-')} | {r.reason.replace('|', '/')} |")
-    fused = [r for r in rows if r.fused]
-    lines += ["", f"{len(fused)} of {len(rows)} rows fuse every MoE layer; {sum(r.exact for r in fused)} of those are exact on both backends."]
+    exported = [r for r in rows if r.exported]
+    fused = [r for r in exported if r.fused]
+    lines += ["", f"Of {len(rows)} rows, {len(exported)} export; {len(fused)} of those fuse every MoE layer, and "
+              f"{sum(r.exact for r in fused)} of those pass `verify` with equal tokens on both backends. A `-` is a step "
+              "that did not run because an earlier one failed; `crashed` is a runtime that died (run in a child process)."]
     return "\n".join(lines) + "\n"
 
 
