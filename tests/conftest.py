@@ -12,15 +12,19 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 
+def _export(tmp_path_factory, name: str, build, export) -> Path:
+    """``export(build(), folder)`` with the exporters' warnings silenced, into a session folder named ``name``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export(build(), tmp_path_factory.mktemp(name))
+
+
 @pytest.fixture(scope="session")
 def qwen2_moe_tiny(tmp_path_factory) -> Path:
     """The tiny Qwen1.5-MoE-architecture decoder (fp32) exported by transformers' ONNX exporter."""
     import qwen_moe
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = qwen_moe.build_model("qwen2_moe", "tiny")
-        return qwen_moe.export_hf(model, tmp_path_factory.mktemp("qwen2_moe_tiny"))
+    return _export(tmp_path_factory, "qwen2_moe_tiny", lambda: qwen_moe.build_model("qwen2_moe", "tiny"), qwen_moe.export_hf)
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +32,7 @@ def qwen3_moe_tiny(tmp_path_factory) -> Path:
     """The tiny Qwen3-MoE-architecture decoder (fp32; top-8 of 16 experts, renormalized) exported by transformers."""
     import qwen_moe
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = qwen_moe.build_model("qwen3_moe", "tiny")
-        return qwen_moe.export_hf(model, tmp_path_factory.mktemp("qwen3_moe_tiny"))
+    return _export(tmp_path_factory, "qwen3_moe_tiny", lambda: qwen_moe.build_model("qwen3_moe", "tiny"), qwen_moe.export_hf)
 
 
 @pytest.fixture(scope="session")
@@ -48,10 +49,8 @@ def qwen2_moe_tiny_dynamo(tmp_path_factory) -> Path:
     """The tiny Qwen1.5-MoE decoder (fp32) exported by ``torch.onnx.export(..., dynamo=True)``."""
     import qwen_moe
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = qwen_moe.build_model("qwen2_moe", "tiny")
-        return qwen_moe.export_dynamo(model, tmp_path_factory.mktemp("qwen2_moe_tiny_dynamo"))
+    return _export(tmp_path_factory, "qwen2_moe_tiny_dynamo", lambda: qwen_moe.build_model("qwen2_moe", "tiny"),
+                   qwen_moe.export_dynamo)
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +59,6 @@ def qwen2_moe_tiny_grouped_mm(tmp_path_factory) -> Path:
     transformers' exporter: tokens sorted by expert, one MatMul per expert."""
     import moe_families
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = moe_families.build("qwen2_moe", experts="grouped_mm")
-        return moe_families.export(model, "hf", tmp_path_factory.mktemp("qwen2_moe_tiny_grouped_mm"))
+    return _export(tmp_path_factory, "qwen2_moe_tiny_grouped_mm",
+                   lambda: moe_families.build("qwen2_moe", experts="grouped_mm"),
+                   lambda model, folder: moe_families.export(model, "hf", folder))
