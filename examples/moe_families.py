@@ -119,6 +119,11 @@ def build(family: str, *, experts: str = "batched_mm", dtype: torch.dtype = torc
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "router.weight", "block_sparse_moe.gate.weight")) or ".router." in name:
                 param.normal_(0.0, ROUTER_STD)
+        # biases initialised to zero (expert biases of gpt-oss, selection biases of DeepSeek-V3 and Ernie 4.5)
+        # get random values, so that every check sees them at work
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if "bias" in name and tensor.is_floating_point() and tensor.numel() and not tensor.any():
+                tensor.normal_(0.0, 0.1)
     return model.to(dtype).eval()
 
 

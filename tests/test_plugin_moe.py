@@ -20,7 +20,7 @@ from rewrite.pipeline import apply
 from rewrite.plugins.moe_lowering import FusedMoE, pack_int4, route
 from rewrite.testing.pytest_plugin import conformance_params
 
-FLAGS = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16}
+FLAGS = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64}
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +46,39 @@ def _random_case(rng, T, H, I, E, k, dtype, bs, zp=True):
     return [x, logits, fc1, fc2]
 
 
-def _call_kernels(lib, args, k, bs, flags):
-    """Run moe_gate_up_swiglu over its (T*k, ceil(I/32)) grid, then moe_down_proj_reduce over (T, ceil(H/32))."""
+def _bits(v: float) -> int:
+    return int(np.array(v, np.float32).view(np.uint32))
+
+
+def _call_kernels(lib, args, k, bs, flags, ids=None, b1=None, b2=None, act=(1.0, 0.0, 0.0)):
+    """Run moe_gate_up_swiglu over its (T*k, ceil(I/32)) grid, then moe_down_proj_reduce over (T, ceil(H/32));
+    ``args[1]`` is [T, E] logits, or with ``ids`` [T, k] the routed weights."""
     x, logits, fc1, fc2, *q = args + [None] * (8 - len(args))
     s1, z1, s2, z2 = q
     T, H = x.shape
-    E = logits.shape[1]
+    E = fc1.shape[0]
     I = fc1.shape[1] // 2
-    dummy = np.zeros(1, np.uint8)
+    dummy = np.zeros(1, np.int64)
     p = lambda a: (a if a is not None else dummy).ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    act = np.zeros((T * k, I), np.float32)
+    scratch = np.zeros((T * k, I), np.float32)
     out = np.zeros((T, H), x.dtype)
     sz = ctypes.c_size_t
+    scalars = [sz(H), sz(I), sz(E), sz(k), sz(bs), sz(flags)] + [sz(_bits(v)) for v in act]
     for pair in range(T * k):
         for blk in range(-(-I // 32)):
-            lib.moe_gate_up_swiglu(p(x), sz(0), p(logits), sz(0), p(fc1), sz(0), p(s1), sz(0), p(z1), sz(0), p(act), sz(0),
-                                   sz(H), sz(I), sz(E), sz(k), sz(bs), sz(flags), sz(pair), sz(blk))
+            lib.moe_gate_up_swiglu(p(x), sz(0), p(logits), sz(0), p(ids), sz(0), p(fc1), sz(0), p(s1), sz(0), p(z1), sz(0),
+                                   p(b1), sz(0), p(scratch), sz(0), *scalars, sz(pair), sz(blk))
     for t in range(T):
         for blk in range(-(-H // 32)):
-            lib.moe_down_proj_reduce(p(logits), sz(0), p(act), sz(0), p(fc2), sz(0), p(s2), sz(0), p(z2), sz(0), p(out), sz(0),
-                                     sz(H), sz(I), sz(E), sz(k), sz(bs), sz(flags), sz(t), sz(blk))
+            lib.moe_down_proj_reduce(p(logits), sz(0), p(ids), sz(0), p(scratch), sz(0), p(fc2), sz(0), p(s2), sz(0), p(z2),
+                                     sz(0), p(b2), sz(0), p(out), sz(0), *scalars, sz(t), sz(blk))
     return out
+
+
+def _routed(rng, T, E, k, dtype):
+    """Routed weights [T, k] > 0 and k distinct experts per token [T, k] int64."""
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int64)
+    return rng.uniform(0.05, 1.0, (T, k)).astype(dtype), ids
 
 
 @pytest.mark.parametrize("T,E,k,H,I", [(1, 8, 1, 64, 48), (3, 60, 4, 96, 72), (17, 8, 8, 40, 24), (3, 60, 4, 256, 192)])
@@ -86,6 +98,35 @@ def test_kernels_match_reference(kernels, T, E, k, H, I, dtype, quant, routing):
     ref = FusedMoE().reference({"k": k, "normalize": normalize, "mode": mode, "block_size": bs}, *args)[0]
     tol = 2e-3 if dtype == np.float16 else 1e-5
     np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=tol, atol=tol * np.abs(ref.astype(np.float32)).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("quant", ["float", "int4"])
+@pytest.mark.parametrize("activation", [(1.0, 0.0, 0.0), (1.702, 1.0, 7.0)])
+def test_routed_kernels_with_biases_match_reference(kernels, dtype, quant, activation):
+    """mode routed (weights and experts given), expert biases and gpt-oss's clamped SwiGLU; activations large
+    enough that the clamp is reached."""
+    T, E, k, H, I = 5, 8, 3, 64, 40
+    bs = 32 if quant == "int4" else 0
+    rng = np.random.default_rng(7)
+    args = _random_case(rng, T, H, I, E, k, dtype, bs)
+    args[0] = (args[0].astype(np.float32) * 20).astype(dtype)
+    w, ids = _routed(rng, T, E, k, dtype)
+    args[1] = w
+    b1 = rng.standard_normal((E, 2 * I)).astype(dtype)
+    b2 = rng.standard_normal((E, H)).astype(dtype)
+    flags = (FLAGS["f16"] if dtype == np.float16 else 0) | FLAGS["routed"] | FLAGS["bias"]
+    flags |= (FLAGS["int4"] | FLAGS["zero_points"]) if bs else 0
+    got = _call_kernels(kernels, args, k, bs, flags, ids, b1, b2, activation)
+    attrs = {"k": k, "mode": "routed", "block_size": bs, "activation_alpha": activation[0],
+             "activation_beta": activation[1], "swiglu_limit": activation[2]}
+    padded = args + [None] * (8 - len(args))
+    ref = FusedMoE().reference(attrs, *padded, ids, b1, b2)[0].astype(np.float32)
+    if activation[2]:  # the clamp is exercised: without it the result differs
+        unclamped = FusedMoE().reference({**attrs, "swiglu_limit": 0.0}, *padded, ids, b1, b2)[0].astype(np.float32)
+        assert np.abs(unclamped - ref).max() > 1e-2 * np.abs(ref).max()
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(got.astype(np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
 def test_route_topk_softmax_equals_normalized_softmax_topk():
@@ -138,6 +179,53 @@ def test_iree_lowering_matches_reference(tmp_path, quant, dtype, t_dim):
     assert mlir.count("flow.dispatch @moe_exec") == 2
     got = load_runner(out).run({"x": args[0], "logits": args[1]})["y"].astype(np.float32)
     ref = FusedMoE().reference({"k": 4, "normalize": 0, "block_size": bs}, *args)[0].astype(np.float32)
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def _routed_model(path, args, ids, b1, b2, activation, bs, t_dim="T"):
+    """A one-node routed FusedMoE model: hidden, weights [T, k] and experts [T, k] as graph inputs."""
+    x, w = args[:2]
+    k = w.shape[1]
+    dt = helper.np_dtype_to_tensor_dtype(x.dtype)
+    weights = dict(zip(["fc1", "fc2", "s1", "z1", "s2", "z2"], args[2:]))
+    weights.update(b1=b1, b2=b2)
+    names = ["x", "w"] + [n if weights.get(n) is not None else "" for n in ["fc1", "fc2", "s1", "z1", "s2", "z2"]]
+    names += ["ids", "b1" if b1 is not None else "", "b2" if b2 is not None else ""]
+    node = helper.make_node("FusedMoE", names, ["y"], domain="ai.rewrite", k=k, normalize=0, mode="routed", activation="swiglu",
+                            block_size=bs, activation_alpha=activation[0], activation_beta=activation[1], swiglu_limit=activation[2])
+    inits = [numpy_helper.from_array(a, n) for n, a in weights.items() if a is not None]
+    ins = [helper.make_tensor_value_info("x", dt, [t_dim, x.shape[1]]), helper.make_tensor_value_info("w", dt, [t_dim, k]),
+           helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [t_dim, k])]
+    g = helper.make_graph([node], "main_graph", ins, [helper.make_tensor_value_info("y", dt, [t_dim, x.shape[1]])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.rewrite", 1)]), path)
+    return path
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+@pytest.mark.parametrize("quant,dtype,biases", [("float", np.float32, True), ("int4", np.float32, False), ("float", np.float16, False)])
+def test_routed_lowering_matches_reference(tmp_path, backend, quant, dtype, biases):
+    """Routed FusedMoE on both backends. ORT: QMoE takes the weights through router_weights; MoE takes log(w)
+    as router_probs, which needs weights it can prove positive: from graph inputs it cannot, and says so."""
+    T, E, k, H, I = 4, 8, 2, 64, 64
+    bs = 64 if quant == "int4" else 0  # a QMoE block size with zero points
+    rng = np.random.default_rng(11)
+    args = _random_case(rng, T, H, I, E, k, dtype, bs)
+    args[0] = (args[0].astype(np.float32) * 10).astype(dtype)
+    w, ids = _routed(rng, T, E, k, dtype)
+    args[1] = w
+    b1, b2 = ((rng.standard_normal(s).astype(dtype) for s in ((E, 2 * I), (E, H))) if biases else (None, None))
+    activation = (1.702, 1.0, 7.0) if biases else (1.0, 0.0, 0.0)
+    model = _routed_model(tmp_path / "m.onnx", args, ids, b1, b2, activation, bs)
+    if backend == "ort" and not bs:
+        with pytest.raises(Exception, match="not provably positive"):
+            apply(model, tmp_path / "out", backend=backend)
+        return
+    apply(model, tmp_path / "out", backend=backend)
+    got = load_runner(tmp_path / "out").run({"x": args[0], "w": w, "ids": ids})["y"].astype(np.float32)
+    attrs = {"k": k, "mode": "routed", "block_size": bs, "activation_alpha": activation[0], "activation_beta": activation[1],
+             "swiglu_limit": activation[2]}
+    ref = FusedMoE().reference(attrs, *(args + [None] * (8 - len(args))), ids, b1, b2)[0].astype(np.float32)
     tol = 2e-3 if dtype == np.float16 else 1e-5
     np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
 

@@ -9,14 +9,19 @@
 //           uint8 zero points z1 [E, 2I, nb], nb = ceil(H / bs); value = (code - zp) * scale (ONNX
 //           DequantizeLinear-21 blocked; zp = 8 when absent, ORT QMoE's symmetric convention)
 //   w2      [E, H, I] the same way along I
-//   act     [T*k, I] f32 scratch: SiLU(gate) * up of each (token, selected expert) pair
+//   b1, b2  [E, 2I], [E, H] biases (x's dtype) when BIAS, else a 1-element placeholder
+//   ids     [T, k]   int64 experts when ROUTED (then logits holds the [T, k] mixing weights), else a placeholder
+//   act     [T*k, I] f32 scratch: the SwiGLU of each (token, selected expert) pair
 //   out     [T, H]   x's dtype
 // Routing (seed 000, "Router"): p = softmax(logits[t]) in f32, top-k by value (lowest index first on ties),
-// weights p[idx], renormalised when NORMALIZE; TOPK_SOFTMAX: softmax over the k selected logits instead.
+// weights p[idx], renormalised when NORMALIZE; TOPK_SOFTMAX: softmax over the k selected logits instead;
+// ROUTED: weights and experts as given (an expert id outside 0..E-1 contributes nothing: no read out of
+// bounds). SwiGLU (seed 003 section 8): g = min(g, limit), u = clamp(u, -limit, limit) when limit > 0, then
+// g * sigmoid(alpha * g) * (u + beta); alpha, beta, limit arrive as the bits of f32 values.
 #include <stddef.h>
 #include <stdint.h>
 
-enum { F16 = 1, INT4 = 2, NORMALIZE = 4, TOPK_SOFTMAX = 8, ZERO_POINTS = 16 };
+enum { F16 = 1, INT4 = 2, NORMALIZE = 4, TOPK_SOFTMAX = 8, ZERO_POINTS = 16, ROUTED = 32, BIAS = 64 };
 #define MAX_K 64
 #define ROWS 32 /* output rows per workgroup (must match ROWS_PER_WORKGROUP in moe_lowering.py) */
 
@@ -73,9 +78,24 @@ static inline float fexp(float x) {
   return p * v.f;
 }
 
-// Top-k experts of token t and their routing weights.
-static void route(const void* logits, size_t t, size_t E, size_t K, size_t flags, int64_t* ids, float* w) {
+static inline float bits_to_float(size_t b) {
+  union { uint32_t u; float f; } v = {(uint32_t)b};
+  return v.f;
+}
+
+// Top-k experts of token t and their routing weights (ROUTED: read from logits [T, k] and given [T, k]).
+static void route(const void* logits, const int64_t* given, size_t t, size_t E, size_t K, size_t flags, int64_t* ids,
+                  float* w) {
   int f16 = flags & F16;
+  if (flags & ROUTED) {
+    for (size_t j = 0; j < K; ++j) {
+      int64_t e = given[t * K + j];
+      int ok = e >= 0 && e < (int64_t)E;
+      ids[j] = ok ? e : -1;
+      w[j] = ok ? load(logits, t * K + j, f16) : 0.0f;
+    }
+    return;
+  }
   float mx = -3.4e38f;
   for (size_t e = 0; e < E; ++e) { float v = load(logits, t * E + e, f16); if (v > mx) mx = v; }
   for (size_t j = 0; j < K; ++j) {
@@ -188,14 +208,19 @@ static inline float row_dot(const void* w, const void* s, const uint8_t* z, size
   return dot_q4((const uint8_t*)w + row * ((Kd + 1) / 2), srow, (flags & ZERO_POINTS) ? z + row * nb : 0, Kd, bs, f16, q);
 }
 
-// Workgroup (pair, row block): act[pair, rows] = SiLU(gate) * up for pair = t * K + j.
-void moe_gate_up_swiglu(const void* x, size_t x_off, const void* logits, size_t l_off, const void* w1, size_t w1_off,
-                        const void* s1, size_t s1_off, const uint8_t* z1, size_t z1_off, float* act, size_t act_off,
-                        size_t H, size_t I, size_t E, size_t K, size_t bs, size_t flags, size_t pair, size_t blk) {
+// Workgroup (pair, row block): act[pair, rows] = SwiGLU(gate, up) for pair = t * K + j.
+void moe_gate_up_swiglu(const void* x, size_t x_off, const void* logits, size_t l_off, const int64_t* given,
+                        size_t g_off, const void* w1, size_t w1_off, const void* s1, size_t s1_off, const uint8_t* z1,
+                        size_t z1_off, const void* b1, size_t b1_off, float* act, size_t act_off, size_t H, size_t I,
+                        size_t E, size_t K, size_t bs, size_t flags, size_t alpha_bits, size_t beta_bits,
+                        size_t limit_bits, size_t pair, size_t blk) {
   int f16 = flags & F16;
   size_t esz = f16 ? 2 : 4;
   x = (const char*)x + x_off * esz;
   logits = (const char*)logits + l_off * esz;
+  given += g_off;
+  b1 = (const char*)b1 + b1_off * esz;
+  float alpha = bits_to_float(alpha_bits), beta = bits_to_float(beta_bits), limit = bits_to_float(limit_bits);
   w1 = (const char*)w1 + w1_off * ((flags & INT4) ? 1 : esz);
   s1 = (const char*)s1 + s1_off * esz;
   z1 += z1_off;
@@ -203,7 +228,12 @@ void moe_gate_up_swiglu(const void* x, size_t x_off, const void* logits, size_t 
   size_t t = pair / K, j = pair % K;
   int64_t ids[MAX_K];
   float w[MAX_K];
-  route(logits, t, E, K, flags, ids, w);
+  route(logits, given, t, E, K, flags, ids, w);
+  size_t r0 = blk * ROWS, r1 = r0 + ROWS < I ? r0 + ROWS : I;
+  if (ids[j] < 0) {  // an expert id out of range: nothing to compute
+    for (size_t r = r0; r < r1; ++r) act[pair * I + r] = 0.0f;
+    return;
+  }
   float xbuf[f16 ? H : 1];  // f16 activations converted once; f32 ones are read in place
   const float* xv = (const float*)x + t * H;
   if (f16) {
@@ -214,22 +244,34 @@ void moe_gate_up_swiglu(const void* x, size_t x_off, const void* logits, size_t 
   float ve[q4n], vo[q4n], bsum[q4b];
   q4vec q = {ve, vo, bsum};
   if (flags & INT4) prepare_q4(xv, H, bs, q);
-  size_t r0 = blk * ROWS, r1 = r0 + ROWS < I ? r0 + ROWS : I;
+  size_t e = (size_t)ids[j];
   for (size_t r = r0; r < r1; ++r) {
-    float g = row_dot(w1, s1, z1, (size_t)ids[j], r, 2 * I, H, bs, flags, xv, q);
-    float u = row_dot(w1, s1, z1, (size_t)ids[j], I + r, 2 * I, H, bs, flags, xv, q);
-    act[pair * I + r] = g / (1.0f + fexp(-g)) * u;
+    float g = row_dot(w1, s1, z1, e, r, 2 * I, H, bs, flags, xv, q);
+    float u = row_dot(w1, s1, z1, e, I + r, 2 * I, H, bs, flags, xv, q);
+    if (flags & BIAS) {
+      g += load(b1, e * 2 * I + r, f16);
+      u += load(b1, e * 2 * I + I + r, f16);
+    }
+    if (limit > 0.0f) {
+      g = g < limit ? g : limit;
+      u = u < -limit ? -limit : (u > limit ? limit : u);
+    }
+    act[pair * I + r] = g / (1.0f + fexp(-alpha * g)) * (u + beta);
   }
 }
 
 // Workgroup (token, row block): out[t, rows] = sum_j w_j * (W2[e_j] @ act[t * K + j]).
-void moe_down_proj_reduce(const void* logits, size_t l_off, const float* act, size_t act_off, const void* w2,
-                          size_t w2_off, const void* s2, size_t s2_off, const uint8_t* z2, size_t z2_off, void* out,
-                          size_t out_off, size_t H, size_t I, size_t E, size_t K, size_t bs, size_t flags, size_t t,
-                          size_t blk) {
+void moe_down_proj_reduce(const void* logits, size_t l_off, const int64_t* given, size_t g_off, const float* act,
+                          size_t act_off, const void* w2, size_t w2_off, const void* s2, size_t s2_off,
+                          const uint8_t* z2, size_t z2_off, const void* b2, size_t b2_off, void* out, size_t out_off,
+                          size_t H, size_t I, size_t E, size_t K, size_t bs, size_t flags, size_t alpha_bits,
+                          size_t beta_bits, size_t limit_bits, size_t t, size_t blk) {
+  (void)alpha_bits, (void)beta_bits, (void)limit_bits;  // one argument list for both kernels
   int f16 = flags & F16;
   size_t esz = f16 ? 2 : 4;
   logits = (const char*)logits + l_off * esz;
+  given += g_off;
+  b2 = (const char*)b2 + b2_off * esz;
   act += act_off;
   w2 = (const char*)w2 + w2_off * ((flags & INT4) ? 1 : esz);
   s2 = (const char*)s2 + s2_off * esz;
@@ -237,16 +279,22 @@ void moe_down_proj_reduce(const void* logits, size_t l_off, const float* act, si
   out = (char*)out + out_off * esz;
   int64_t ids[MAX_K];
   float w[MAX_K];
-  route(logits, t, E, K, flags, ids, w);
+  route(logits, given, t, E, K, flags, ids, w);
   size_t r0 = blk * ROWS, r1 = r0 + ROWS < H ? r0 + ROWS : H;
   size_t q4n = (flags & INT4) ? (I + 1) / 2 : 1, q4b = (flags & INT4) ? (I + bs - 1) / bs : 1;
   float ve[q4n], vo[q4n], bsum[q4b], acc[ROWS];
   q4vec q = {ve, vo, bsum};
   for (size_t r = r0; r < r1; ++r) acc[r - r0] = 0.0f;
   for (size_t j = 0; j < K; ++j) {  // expert by expert: each act vector is prepared once per workgroup
+    if (ids[j] < 0) continue;
     const float* a = act + (t * K + j) * I;
+    size_t e = (size_t)ids[j];
     if (flags & INT4) prepare_q4(a, I, bs, q);
-    for (size_t r = r0; r < r1; ++r) acc[r - r0] += w[j] * row_dot(w2, s2, z2, (size_t)ids[j], r, H, I, bs, flags, a, q);
+    for (size_t r = r0; r < r1; ++r) {
+      float d = row_dot(w2, s2, z2, e, r, H, I, bs, flags, a, q);
+      if (flags & BIAS) d += load(b2, e * H + r, f16);
+      acc[r - r0] += w[j] * d;
+    }
   }
   for (size_t r = r0; r < r1; ++r) {
     if (f16) ((uint16_t*)out)[t * H + r] = float_to_half(acc[r - r0]);

@@ -60,6 +60,8 @@ class VTensor:
 
     @classmethod
     def parse(cls, text: str) -> "VTensor":
+        if text.strip() == "!torch.none":  # an absent optional input: element "none", no builtin tensor
+            return cls([], "none", text.strip())
         m = _VT_RE.fullmatch(text.strip())
         if m is None:
             raise BackendError(f"abstract op operand has type {text}; expected a !torch.vtensor (missing value_info?)")
@@ -146,7 +148,8 @@ class IreeLowering:
 
     Attributes:
         body: MLIR statements of the wrapper function. Operand ``k`` is available as the builtin tensor
-            ``%in{k}`` (and its dims as ``%in{k}_d{axis}`` index values for dynamic axes); the body must define
+            ``%in{k}`` (and its dims as ``%in{k}_d{axis}`` index values for dynamic axes; an absent operand,
+            ``!torch.none``, has neither); the body must define
             ``%out{k}`` builtin tensors of the result types.
         module_items: top-level MLIR (``stream.executable``, ``util.global``) keyed by a name, emitted once.
         kernel_objects: object files (absolute paths) the items reference, recorded in the manifest.
@@ -172,6 +175,8 @@ def _wrapper(name: str, op: TorchOperator, low: IreeLowering, opset: int) -> str
     outs = ", ".join(t.text for t in op.result_types)
     lines = [f"  func.func private @{name}({ins}) -> ({outs}) attributes {{torch.onnx_meta.opset_version = {opset} : si64}} {{"]
     for k, t in enumerate(op.operand_types):
+        if t.element == "none":
+            continue
         lines.append(f"    %in{k} = torch_c.to_builtin_tensor %a{k} : {t.text} -> {t.builtin}")
         for ax, d in enumerate(t.dims):
             if d is None:

@@ -199,13 +199,28 @@ def _(m):
 @fused_moe_by_value.rewrite
 def _(m, b):
     p = m.found["proven"]
-    out = m.graph.values[m.outputs[0]]
-    hidden = m.graph.values[p.hidden]
+    g = m.graph
+    out = g.values[m.outputs[0]]
+    hidden = g.values[p.hidden]
     dtype = helper.tensor_dtype_to_np_dtype(hidden.dtype)
-    _ensure_opset(m.graph, DOMAIN)
+    _ensure_opset(g, DOMAIN)
     fc1, fc2 = b.const(p.fc1.astype(dtype), "gate_up"), b.const(p.fc2.astype(dtype), "down")
-    fused = b.op("FusedMoE", [p.hidden, p.logits, fc1, fc2], domain=DOMAIN, k=p.k, normalize=p.normalize, mode=p.mode,
-                 activation="swiglu", block_size=0, dtype=hidden.dtype, shape=out.shape)
+    ins = [p.hidden, p.logits, fc1, fc2]
+    if p.mode == "routed":  # weights in hidden's dtype, ids int64: the contract's
+        if g.values[p.logits].dtype != hidden.dtype:
+            ins[1] = b.op("Cast", [p.logits], to=hidden.dtype, dtype=hidden.dtype, shape=g.values[p.logits].shape)
+        ids = p.ids
+        if g.values[ids].dtype != TensorProto.INT64:
+            ids = b.op("Cast", [ids], to=TensorProto.INT64, dtype=TensorProto.INT64, shape=g.values[ids].shape)
+        ins += ["", "", "", "", ids]
+    if p.b1 is not None or p.b2 is not None:  # both or neither (IREE's kernels take both): a zero one for the other
+        E, I2, H = p.fc1.shape[0], p.fc1.shape[1], p.fc2.shape[1]
+        b1 = p.b1 if p.b1 is not None else np.zeros((E, I2), np.float32)
+        b2 = p.b2 if p.b2 is not None else np.zeros((E, H), np.float32)
+        ins += [""] * (9 - len(ins)) + [b.const(b1.astype(dtype), "gate_up_bias"), b.const(b2.astype(dtype), "down_bias")]
+    fused = b.op("FusedMoE", ins, domain=DOMAIN, k=p.k, normalize=p.normalize, mode=p.mode, activation="swiglu",
+                 activation_alpha=p.alpha, activation_beta=p.beta, swiglu_limit=p.limit, block_size=0,
+                 dtype=hidden.dtype, shape=out.shape)
     if out.dtype == hidden.dtype:
         return fused
     # fp16 exports sum the k expert outputs in float32: FusedMoE gives the hidden dtype, cast to the sum's

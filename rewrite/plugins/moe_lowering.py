@@ -3,7 +3,8 @@
 Contract (inputs; T tokens, H hidden, E experts, I expert intermediate size, float = f32 or f16):
 
 0. ``hidden`` float [T, H]
-1. ``router_logits`` [T, E], hidden's dtype (LOGITS, before the softmax)
+1. ``router_logits`` [T, E], hidden's dtype (LOGITS, before the softmax); with ``mode="routed"`` instead the
+   mixing weights [T, k] (hidden's dtype) of the experts given by input 8, computed by the graph's own router
 2. ``fc1`` [E, 2I, H]: gate rows 0..I-1 then up rows I..2I-1 (torch Linear ``[out, in]``). Float (hidden's
    dtype), or when ``block_size > 0`` UINT8 holding INT4 codes two per byte along H, even element in the low
    nibble (the ORT QMoE packing), shape [E, 2I, ceil(H/2)]
@@ -12,23 +13,32 @@ Contract (inputs; T tokens, H hidden, E experts, I expert intermediate size, flo
 5. ``fc1_zero_points`` UINT8 [E, 2I, ceil(H/block_size)], codes' zero point per block (optional; absent
    means 8, ORT QMoE's symmetric convention)
 6. ``fc2_scales`` [E, H, ceil(I/block_size)], 7. ``fc2_zero_points`` likewise
+8. ``expert_ids`` INT64 [T, k] (``mode="routed"`` only): the k distinct experts of each token
+9. ``fc1_bias`` [E, 2I] hidden's dtype (optional; gate then up, as fc1's rows), 10. ``fc2_bias`` [E, H]
+   (optional; added to each expert's output before its mixing weight, gpt-oss)
 
 Attributes: ``k`` (experts per token), ``normalize`` (0/1: divide the k weights by their sum; Qwen1.5-MoE 0,
 Qwen3-MoE 1), ``mode`` ("softmax_topk": softmax over E then top-k; "topk_softmax": top-k logits then softmax
-over the k, which equals softmax_topk with normalize), ``activation`` ("swiglu": SiLU(gate) * up),
-``block_size`` (0 for float weights). Output: float [T, H], hidden's dtype::
+over the k, which equals softmax_topk with normalize; "routed": weights and experts given, which carries every
+router the graph computes itself: sigmoid and grouped routers with a selection bias and a scaling factor,
+DeepSeek-V3, GLM4-MoE, dots1, Ernie 4.5), ``activation`` ("swiglu"), ``activation_alpha`` (default 1.0),
+``activation_beta`` (default 0.0), ``swiglu_limit`` (default 0.0: no clamp), ``block_size`` (0 for float
+weights). Output: float [T, H], hidden's dtype::
 
-    p = softmax(logits[t]); idx = top-k(p); w = p[idx] (/ sum when normalize)
-    out[t] = sum_j w_j * fc2[idx_j] @ (silu(fc1[idx_j, :I] @ x[t]) * (fc1[idx_j, I:] @ x[t]))
+    p = softmax(logits[t]); idx = top-k(p); w = p[idx] (/ sum when normalize)     (routed: w, idx given)
+    g, u = fc1[e] @ x[t] + fc1_bias[e] split in halves                            (e = idx_j)
+    g = min(g, limit); u = clamp(u, -limit, limit)                               (when swiglu_limit > 0)
+    out[t] = sum_j w_j * (fc2[e] @ (g * sigmoid(alpha * g) * (u + beta)) + fc2_bias[e])
 
-Dequantized weight = (code - zero_point) * scale per block along the input axis (ONNX DequantizeLinear-21,
-seed 000 "Expert Computation (INT4 QDQ)").
+The activation is com.microsoft MoE/QMoE's SwiGLU (seed 003 section 8): the defaults give SiLU(gate) * up;
+gpt-oss uses alpha 1.702, beta 1, limit 7. Dequantized weight = (code - zero_point) * scale per block along
+the input axis (ONNX DequantizeLinear-21, seed 000 "Expert Computation (INT4 QDQ)").
 """
 
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
 from rewrite.backends.iree_patch import IreeLowering, PatchContext, TorchOperator
 from rewrite.core.abstract_ops import AbstractOp
@@ -38,7 +48,10 @@ from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
 ROWS_PER_WORKGROUP = 32  #: ROWS in plugin_kernels/moe/moe_cpu.c
-_FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16}
+_FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64}
+MODES = ("softmax_topk", "topk_softmax", "routed")
+#: input positions of the contract
+IDS, FC1_BIAS, FC2_BIAS = 8, 9, 10
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
@@ -77,29 +90,49 @@ def route(logits: np.ndarray, k: int, normalize: int, mode: str) -> tuple[np.nda
     return w, idx.astype(np.int64)
 
 
+def activation_params(attrs: dict) -> tuple[float, float, float]:
+    """(alpha, beta, limit) of the SwiGLU: ``activation_alpha`` (1.0), ``activation_beta`` (0.0),
+    ``swiglu_limit`` (0.0 = no clamp)."""
+    return (float(attrs.get("activation_alpha", 1.0)), float(attrs.get("activation_beta", 0.0)),
+            float(attrs.get("swiglu_limit", 0.0)))
+
+
 class FusedMoE(AbstractOp):
     """The contract in the module docstring; ORT lowering to com.microsoft MoE / QMoE, IREE to two C kernels."""
 
     op_type = "FusedMoE"
 
     # ------------------------------------------------------------ reference
-    def reference(self, attrs: dict, hidden, logits, fc1, fc2, s1=None, z1=None, s2=None, z2=None) -> list[np.ndarray]:
-        """numpy float32 evaluation of the contract; returns [out] in hidden's dtype."""
+    def reference(self, attrs: dict, hidden, logits, fc1, fc2, s1=None, z1=None, s2=None, z2=None, ids=None,
+                  b1=None, b2=None) -> list[np.ndarray]:
+        """numpy float32 evaluation of the contract; returns [out] in hidden's dtype. ``logits`` are the mixing
+        weights [T, k] and ``ids`` the experts when ``mode="routed"``."""
         T, H = hidden.shape
         I = fc1.shape[1] // 2
         bs = int(attrs.get("block_size", 0))
         if bs:
             fc1, fc2 = dequantize(fc1, s1, z1, H, bs), dequantize(fc2, s2, z2, I, bs)
         fc1, fc2 = fc1.astype(np.float32), fc2.astype(np.float32)
-        w, idx = route(logits, int(attrs["k"]), int(attrs.get("normalize", 0)), attrs.get("mode", "softmax_topk"))
+        if attrs.get("mode", "softmax_topk") == "routed":
+            w, idx = logits.astype(np.float32), np.asarray(ids).astype(np.int64)
+        else:
+            w, idx = route(logits, int(attrs["k"]), int(attrs.get("normalize", 0)), attrs.get("mode", "softmax_topk"))
+        alpha, beta, limit = activation_params(attrs)
         x = hidden.astype(np.float32)
         out = np.zeros((T, H), np.float32)
         for j in range(idx.shape[1]):
             e = idx[:, j]
             gu = np.einsum("tnh,th->tn", fc1[e], x)
+            if b1 is not None:
+                gu = gu + b1.astype(np.float32)[e]
             g, u = gu[:, :I], gu[:, I:]
-            a = g / (1 + np.exp(-g)) * u
-            out += w[:, j:j + 1] * np.einsum("thi,ti->th", fc2[e], a)
+            if limit > 0:
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            a = g / (1 + np.exp(np.minimum(-alpha * g, 80.0))) * (u + beta)  # (no overflow warning)
+            d = np.einsum("thi,ti->th", fc2[e], a)
+            if b2 is not None:
+                d = d + b2.astype(np.float32)[e]
+            out += w[:, j:j + 1] * d
         return [out.astype(hidden.dtype)]
 
     # ------------------------------------------------------------------ ORT
@@ -113,46 +146,85 @@ class FusedMoE(AbstractOp):
         lowered to MoE (the plugin's report notes it). Qwen1.5-MoE's normalize=0 goes through QMoE's
         ``router_weights`` input: ORT 1.32's CPU QMoE renormalises the top-k weights even with
         normalize_routing_weights=0 (MoE does not).
+
+        ``mode="routed"``: QMoE gets router_probs 0 at the given experts and -1e30 elsewhere (its top-k picks
+        them) and the weights scattered into ``router_weights``. MoE has no ``router_weights``: router_probs is
+        log(w) at the given experts, so its softmax yields w / sum(w), and the output is multiplied by sum(w);
+        this needs weights > 0, which :func:`positive` must establish from the graph (sigmoid or softmax
+        probabilities, sums and positive constants), else BackendError.
+
+        Raises:
+            BackendError: weights that are not initializers; routed float weights not provably positive.
         """
-        ins = list(node.inputs) + [""] * (8 - len(node.inputs))
-        hidden, logits, fc1, fc2, s1, z1, s2, z2 = ins
+        ins = list(node.inputs) + [""] * (11 - len(node.inputs))
+        hidden, logits, fc1, fc2, s1, z1, s2, z2, ids, bias1, bias2 = ins
         k, normalize = int(node.attr("k")), int(node.attr("normalize", 0))
-        if node.attr("mode", "softmax_topk") == "topk_softmax":
+        mode = node.attr("mode", "softmax_topk")
+        if mode == "topk_softmax":
             normalize = 1  # softmax over the k selected logits == renormalised softmax probabilities
         dt = graph.values[hidden].dtype
         npdt = np.float16 if dt == TensorProto.FLOAT16 else np.float32
         bs = int(node.attr("block_size", 0))
         w1, w2 = graph.const(fc1), graph.const(fc2)
-        if w1 is None or w2 is None:
-            raise BackendError(f"node {node.describe()}: FusedMoE expert weights must be initializers for ONNX Runtime")
+        c1, c2 = (graph.const(v) if v else None for v in (bias1, bias2))
+        if w1 is None or w2 is None or (bias1 and c1 is None) or (bias2 and c2 is None):
+            raise BackendError(f"node {node.describe()}: FusedMoE expert weights and biases must be initializers for ONNX Runtime")
         b = Builder(graph, "lower/FusedMoE", node.order, node.name)
+        alpha, beta, limit = activation_params({a: node.attr(a) for a in node.attrs})
         attrs = dict(k=k, activation_type="swiglu", normalize_routing_weights=normalize, swiglu_fusion=1,
-                     activation_alpha=1.0, activation_beta=0.0)
+                     activation_alpha=alpha, activation_beta=beta)
+        if limit > 0:
+            attrs["swiglu_limit"] = limit
         E, N1 = w1.shape[0], w1.shape[1]
         I, H = N1 // 2, w2.shape[1]
+        out_shape = graph.values[node.outputs[0]].shape
+        fb1 = b.const(_interleave(c1).astype(npdt), "fc1_bias") if c1 is not None else ""
+        fb2 = b.const(c2.astype(npdt), "fc2_bias") if c2 is not None else ""
         qbs = _ort_block(bs, H, I, bool(z1)) if bs else 0
+        scale = None  # routed float MoE: the sum of the weights its softmax divided by
+        if mode == "routed":
+            attrs["normalize_routing_weights"] = 0
+            if bs and qbs:
+                probs = _scatter(b, hidden, ids, b.op("Mul", [logits, b.const(np.zeros((), npdt), "zero")], dtype=dt), E, -1e30, dt)
+                weights = _scatter(b, hidden, ids, logits, E, 0.0, dt)
+            else:
+                why = positive(graph, logits)
+                if why:
+                    raise BackendError(f"node {node.describe()}: com.microsoft MoE takes routed weights as probabilities, "
+                                       f"but '{logits}' is not provably positive ({why})")
+                tiny = np.float32(np.finfo(npdt).smallest_subnormal if npdt == np.float16 else np.finfo(np.float32).tiny)
+                logw = b.op("Log", [b.op("Max", [logits, b.const(np.asarray(tiny, npdt), "tiny")], dtype=dt)], dtype=dt)
+                probs = _scatter(b, hidden, ids, logw, E, -6e4 if npdt == np.float16 else -1e30, dt)
+                scale = b.op("ReduceSum", [logits, b.const(np.array([1], np.int64), "axes")], keepdims=1, dtype=dt)
+                weights = None
+        else:
+            probs, weights = logits, None
         if bs and qbs:
             rep = bs // qbs
             sc1, sc2 = np.repeat(graph.const(s1), rep, -1), np.repeat(graph.const(s2), rep, -1)
             sc1, sc2 = sc1[..., : H // qbs], sc2[..., : I // qbs]
-            q_ins = [hidden, logits, b.const(_interleave(w1), "fc1"), b.const(_interleave(sc1).astype(npdt), "fc1_scales"), "",
-                     b.const(w2, "fc2"), b.const(sc2.astype(npdt), "fc2_scales"), "", "", "", ""]
+            q_ins = [hidden, probs, b.const(_interleave(w1), "fc1"), b.const(_interleave(sc1).astype(npdt), "fc1_scales"), fb1,
+                     b.const(w2, "fc2"), b.const(sc2.astype(npdt), "fc2_scales"), fb2, "", "", ""]
             if z1:
                 zp1 = np.repeat(graph.const(z1), rep, -1)[..., : H // qbs]
                 zp2 = np.repeat(graph.const(z2), rep, -1)[..., : I // qbs]
                 q_ins += [b.const(pack_int4(_interleave(zp1)), "fc1_zp"), b.const(pack_int4(zp2), "fc2_zp")]
-            if not normalize:
+            if weights is None and not normalize:
                 # ORT 1.32's CPU QMoE renormalises the top-k weights even with normalize_routing_weights=0
                 # (measured: tests/test_plugin_moe.py); router_weights = softmax(logits) gives it the raw ones.
-                q_ins += [""] * (14 - len(q_ins)) + [b.op("Softmax", [logits], axis=-1, dtype=dt)]
+                weights = b.op("Softmax", [logits], axis=-1, dtype=dt)
+            if weights is not None:
+                q_ins += [""] * (14 - len(q_ins)) + [weights]
             out = b.op("QMoE", q_ins, domain="com.microsoft", expert_weight_bits=4, block_size=qbs, dtype=dt,
-                       shape=graph.values[node.outputs[0]].shape, **attrs)
+                       shape=out_shape, **attrs)
         else:
             if bs:
                 w1 = dequantize(w1, graph.const(s1), graph.const(z1) if z1 else None, H, bs)
                 w2 = dequantize(w2, graph.const(s2), graph.const(z2) if z2 else None, I, bs)
-            out = b.op("MoE", [hidden, logits, b.const(_interleave(w1).astype(npdt), "fc1"), "", b.const(w2.astype(npdt), "fc2")],
-                       domain="com.microsoft", dtype=dt, shape=graph.values[node.outputs[0]].shape, **attrs)
+            out = b.op("MoE", [hidden, probs, b.const(_interleave(w1).astype(npdt), "fc1"), fb1, b.const(w2.astype(npdt), "fc2"), fb2],
+                       domain="com.microsoft", dtype=dt, shape=out_shape, **attrs)
+            if scale is not None:
+                out = b.op("Mul", [out, scale], dtype=dt, shape=out_shape)
         _ensure_opset(graph, "com.microsoft")
         graph.replace_node(node, [out])
         graph.remove_unused_initializers()  # the FusedMoE layouts, now repacked: do not ship the weights twice
@@ -161,83 +233,113 @@ class FusedMoE(AbstractOp):
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """Two dispatches of plugin_kernels/moe/moe_cpu.c: ``moe_gate_up_swiglu`` on a (T*k, ceil(I/32)) grid
         into an f32 [T*k, I] scratch, then ``moe_down_proj_reduce`` on (T, ceil(H/32)) into [T, H]; each
-        workgroup recomputes its token's routing (E logits, negligible next to its dot products)."""
+        workgroup recomputes its token's routing (E logits, negligible next to its dot products) or, routed,
+        reads it. Absent optional inputs (imported as ``!torch.none``) become 1-element placeholders.
+
+        Raises:
+            BackendError: a target other than llvm-cpu, dynamic H/E/I, k outside the kernel's range, an INT4
+                op without all 8 quantization inputs, a routed op without expert ids.
+        """
         if ctx.target != "llvm-cpu":
             raise BackendError(f"FusedMoE has kernels for llvm-cpu only, not '{ctx.target}'")
         obj = build_cpu_object(kernel_source("moe", "moe_cpu.c"))
-        tys = op.operand_types
+        tys = list(op.operand_types) + [None] * (11 - len(op.operand_types))
+        present = [t is not None and t.element != "none" for t in tys]
         el = tys[0].builtin_element
-        H, E = tys[0].dims[1], tys[1].dims[1]
+        mode = op.attrs.get("mode", "softmax_topk")
+        routed = mode == "routed"
         k, bs = int(op.attrs["k"]), int(op.attrs.get("block_size", 0))
+        H = tys[0].dims[1]
         I = None if tys[2].dims[1] is None else tys[2].dims[1] // 2
-        flags = (_FLAG["f16"] if el == "f16" else 0) | (_FLAG["int4"] if bs else 0)
-        flags |= _FLAG["normalize"] if int(op.attrs.get("normalize", 0)) else 0
-        flags |= _FLAG["topk_softmax"] if op.attrs.get("mode", "softmax_topk") == "topk_softmax" else 0
-        if bs and len(tys) != 8:  # an absent input in the middle is imported as !torch.none
-            raise BackendError(f"FusedMoE with block_size {bs} needs all 8 inputs on IREE (zero points included), got {len(tys)}")
-        has_zp = bool(bs)
-        flags |= _FLAG["zero_points"] if has_zp else 0
+        E = tys[2].dims[0]
+        if routed and not present[IDS]:
+            raise BackendError("FusedMoE mode 'routed' needs its expert ids (input 8)")
+        if bs and not all(present[4:8]):
+            raise BackendError("FusedMoE with block_size > 0 needs scales and zero points (inputs 4-7) on IREE")
         if None in (H, E, I) or not 1 <= k <= min(64, E):
             raise BackendError(f"FusedMoE: H, E, I must be static and 1 <= k <= min(64, E) (got H={H}, E={E}, I={I}, k={k})")
+        bias = present[FC1_BIAS] or present[FC2_BIAS]
+        if bias and not (present[FC1_BIAS] and present[FC2_BIAS]):
+            raise BackendError("FusedMoE on IREE takes both expert biases (inputs 9 and 10) or neither")
+        flags = (_FLAG["f16"] if el == "f16" else 0) | (_FLAG["int4"] if bs else 0)
+        flags |= _FLAG["normalize"] if int(op.attrs.get("normalize", 0)) else 0
+        flags |= _FLAG["topk_softmax"] if mode == "topk_softmax" else 0
+        flags |= (_FLAG["zero_points"] if bs else 0) | (_FLAG["routed"] if routed else 0) | (_FLAG["bias"] if bias else 0)
+        alpha, beta, limit = (_f32_bits(v) for v in activation_params(op.attrs))
         wel = "i8" if bs else el
-        sizes = {n: int(np.prod(t.dims)) for n, t in zip(("fc1", "fc2", "s1", "z1", "s2", "z2"), tys[2:])}
-        lines = ["    %moe_c0 = arith.constant 0 : index",
-                 f"    %t = tensor.dim %in0, %moe_c0 : {tys[0].builtin}",
-                 f"    %tk = arith.muli %t, %c{k}k : index",
-                 f"    %th = arith.muli %t, %cH : index", f"    %te = arith.muli %t, %cE : index",
-                 f"    %tki = arith.muli %tk, %cI : index"]
-        consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cbs": bs, "%cfl": flags,
-                  "%nb1": -(-I // ROWS_PER_WORKGROUP), "%nb2": -(-H // ROWS_PER_WORKGROUP)}
-        lines = [f"    {n} = arith.constant {v} : index" for n, v in consts.items()] + lines
-        for name, kk in (("x", 0), ("l", 1)):  # [T, n] -> tensor<?xel> (a static T is cast to dynamic)
+        names = ("fc1", "fc2", "s1", "z1", "s2", "z2", "ids", "b1", "b2")
+        elements = {"fc1": wel, "fc2": wel, "s1": el, "z1": "i8", "s2": el, "z2": "i8", "ids": "i64", "b1": el, "b2": el}
+        # static element counts of the weight bindings (the ids are sized by the token count at run time)
+        S = {n: int(np.prod(tys[kk].dims)) if present[kk] and n != "ids" else 1 for n, kk in zip(names, range(2, 11))}
+        L = k if routed else E  # columns of input 1: routed weights [T, k] or logits [T, E]
+        consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cL": L, "%cbs": bs, "%cfl": flags,
+                  "%nb1": -(-I // ROWS_PER_WORKGROUP), "%nb2": -(-H // ROWS_PER_WORKGROUP), "%cal": alpha, "%cbe": beta,
+                  "%cli": limit}
+        lines = [f"    {n} = arith.constant {v} : index" for n, v in consts.items()]
+        lines += ["    %moe_c0 = arith.constant 0 : index",
+                  f"    %t = tensor.dim %in0, %moe_c0 : {tys[0].builtin}",
+                  f"    %tk = arith.muli %t, %c{k}k : index",
+                  "    %th = arith.muli %t, %cH : index", "    %tl = arith.muli %t, %cL : index",
+                  "    %tki = arith.muli %tk, %cI : index"]
+        for name, kk, e in (("x", 0, el), ("l", 1, el), ("ids", IDS, "i64")):  # [T, n] -> tensor<?xel>
+            if name == "ids" and not routed:
+                continue
             t = tys[kk]
             if t.dims[0] is None:
-                lines.append(f"    %{name} = tensor.collapse_shape %in{kk} [[0, 1]] : {t.builtin} into tensor<?x{el}>")
+                lines.append(f"    %{name} = tensor.collapse_shape %in{kk} [[0, 1]] : {t.builtin} into tensor<?x{e}>")
             else:
-                lines.append(f"    %{name}_s = tensor.collapse_shape %in{kk} [[0, 1]] : {t.builtin} into tensor<{t.dims[0] * t.dims[1]}x{el}>")
-                lines.append(f"    %{name} = tensor.cast %{name}_s : tensor<{t.dims[0] * t.dims[1]}x{el}> to tensor<?x{el}>")
-        for n, kk in (("fc1", 2), ("fc2", 3)):
-            lines.append(f"    %{n} = tensor.collapse_shape %in{kk} [[0, 1, 2]] : {tys[kk].builtin} into tensor<{sizes[n]}x{wel}>")
-        if bs:
-            for n, kk in (("s1", 4), ("s2", 6)):
-                lines.append(f"    %{n} = tensor.collapse_shape %in{kk} [[0, 1, 2]] : {tys[kk].builtin} into tensor<{sizes[n]}x{el}>")
-            if has_zp:
-                for n, kk in (("z1", 5), ("z2", 7)):
-                    lines.append(f"    %{n} = tensor.collapse_shape %in{kk} [[0, 1, 2]] : {tys[kk].builtin} into tensor<{sizes[n]}xi8>")
-        dummy = {"s1": el, "s2": el, "z1": "i8", "z2": "i8"}
-        for n, e in dummy.items():
-            if n not in sizes or not bs or (n[0] == "z" and not has_zp):
-                sizes[n] = 1
-                lines.append(f"    %{n} = arith.constant dense<0{'.0' if e != 'i8' else ''}> : tensor<1x{e}>")
-        S = sizes
+                lines.append(f"    %{name}_s = tensor.collapse_shape %in{kk} [[0, 1]] : {t.builtin} into tensor<{t.dims[0] * t.dims[1]}x{e}>")
+                lines.append(f"    %{name} = tensor.cast %{name}_s : tensor<{t.dims[0] * t.dims[1]}x{e}> to tensor<?x{e}>")
+        for n, kk in zip(names, range(2, 11)):
+            if n == "ids":
+                if not routed:
+                    lines.append("    %ids = arith.constant dense<0> : tensor<1xi64>")
+                continue
+            if present[kk] and (n in ("fc1", "fc2") or (bs and n[0] in "sz") or (bias and n[0] == "b")):
+                rank = len(tys[kk].dims)
+                lines.append(f"    %{n} = tensor.collapse_shape %in{kk} [[{', '.join(map(str, range(rank)))}]] : "
+                             f"{tys[kk].builtin} into tensor<{S[n]}x{elements[n]}>")
+            else:
+                S[n] = 1
+                zero = "0" if elements[n] in ("i8", "i64") else "0.0"
+                lines.append(f"    %{n} = arith.constant dense<{zero}> : tensor<1x{elements[n]}>")
+        ids_t = "tensor<?xi64>{%tk}" if routed else "tensor<1xi64>"
+        scalars = f"%t, %cH, %cI, %cE, %c{k}k, %cbs, %cfl, %cal, %cbe, %cli"
         lines.append(
-            f"    %act = flow.dispatch @moe_exec::@gate_up[%tk, %nb1](%x, %l, %fc1, %s1, %z1, %t, %cH, %cI, %cE, %c{k}k, %cbs, %cfl) : "
-            f"(tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%te}}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, tensor<{S['z1']}xi8>, "
-            f"index, index, index, index, index, index, index) -> tensor<?xf32>{{%tki}}")
+            f"    %act = flow.dispatch @moe_exec::@gate_up[%tk, %nb1](%x, %l, %ids, %fc1, %s1, %z1, %b1, {scalars}) : "
+            f"(tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%tl}}, {ids_t}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, "
+            f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, {', '.join(['index'] * 10)}) -> tensor<?xf32>{{%tki}}")
         lines.append(
-            f"    %o = flow.dispatch @moe_exec::@down[%t, %nb2](%l, %act, %fc2, %s2, %z2, %t, %cH, %cI, %cE, %c{k}k, %cbs, %cfl) : "
-            f"(tensor<?x{el}>{{%te}}, tensor<?xf32>{{%tki}}, tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, tensor<{S['z2']}xi8>, "
-            f"index, index, index, index, index, index, index) -> tensor<?x{el}>{{%th}}")
+            f"    %o = flow.dispatch @moe_exec::@down[%t, %nb2](%l, %ids, %act, %fc2, %s2, %z2, %b2, {scalars}) : "
+            f"(tensor<?x{el}>{{%tl}}, {ids_t}, tensor<?xf32>{{%tki}}, tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, "
+            f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>, {', '.join(['index'] * 10)}) -> tensor<?x{el}>{{%th}}")
         lines.append(f"    %o2 = tensor.expand_shape %o [[0, 1]] output_shape [%t, {H}] : tensor<?x{el}> into tensor<?x{H}x{el}>")
         lines.append(f"    %out0 = tensor.cast %o2 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
-        name = f"moe_exec_{el}_{wel}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}"
+        name = f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['b1']}"
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
-        return IreeLowering(body=body, module_items={name: _executable(name, str(obj), el, wel, S)}, kernel_objects=[str(obj)])
+        return IreeLowering(body=body, module_items={name: _executable(name, str(obj), el, wel, S, routed)},
+                            kernel_objects=[str(obj)])
 
 
-def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int]) -> str:
+def _f32_bits(v: float) -> int:
+    """The bits of ``v`` as float32, as an unsigned integer (how the kernels receive float parameters)."""
+    return int(np.array(v, np.float32).view(np.uint32))
+
+
+def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], routed: bool) -> str:
     """The stream.executable with the two exports calling the statically linked kernels (bareptr ABI)."""
     # (element type, size: static int or an SSA dim computed in the function) of each binding, output last
-    gate_up = [(el, "%th"), (el, "%te"), (wel, S["fc1"]), (el, S["s1"]), ("i8", S["z1"]), ("f32", "%tki")]
-    down = [(el, "%te"), ("f32", "%tki"), (wel, S["fc2"]), (el, S["s2"]), ("i8", S["z2"]), (el, "%th")]
+    ids = ("i64", "%tk" if routed else 1)
+    gate_up = [(el, "%th"), (el, "%tl"), ids, (wel, S["fc1"]), (el, S["s1"]), ("i8", S["z1"]), (el, S["b1"]), ("f32", "%tki")]
+    down = [(el, "%tl"), ids, ("f32", "%tki"), (wel, S["fc2"]), (el, S["s2"]), ("i8", S["z2"]), (el, S["b2"]), (el, "%th")]
+    scalars = ["%t", "%h", "%i", "%e", "%k", "%bs", "%fl", "%al", "%be", "%li"]
     exports, funcs = [], []
     for export, kernel, bindings in (("gate_up", "moe_gate_up_swiglu", gate_up), ("down", "moe_down_proj_reduce", down)):
-        args = [f"%b{i}: !stream.binding" for i in range(len(bindings))]
-        args += ["%t: index", "%h: index", "%i: index", "%e: index", "%k: index", "%bs: index", "%fl: index"]
+        args = [f"%b{i}: !stream.binding" for i in range(len(bindings))] + [f"{a}: index" for a in scalars]
         body = ["        %c0 = arith.constant 0 : index",
                 "        %wx = stream.dispatch.workgroup.id[0] : index", "        %wy = stream.dispatch.workgroup.id[1] : index",
                 "        %tk = arith.muli %t, %k : index", "        %th = arith.muli %t, %h : index",
-                "        %te = arith.muli %t, %e : index", "        %tki = arith.muli %tk, %i : index"]
+                f"        %tl = arith.muli %t, {'%k' if routed else '%e'} : index", "        %tki = arith.muli %tk, %i : index"]
         call_args, call_types = [], []
         for j, (etype, size) in enumerate(bindings):
             dyn = isinstance(size, str)
@@ -246,8 +348,8 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int]) -> st
             body.append(f"        %p{j}, %o{j}, %s{j}, %t{j} = iree_codegen.extract_strided_metadata %m{j} : {mt} -> memref<{etype}>, index, index, index")
             call_args += [f"%p{j}", f"%o{j}"]
             call_types += [f"memref<{etype}>", "index"]
-        call_args += ["%h", "%i", "%e", "%k", "%bs", "%fl", "%wx", "%wy"]
-        call_types += ["index"] * 8
+        call_args += ["%h", "%i", "%e", "%k", "%bs", "%fl", "%al", "%be", "%li", "%wx", "%wy"]
+        call_types += ["index"] * 11
         body.append(f"        func.call @{kernel}({', '.join(call_args)}) : ({', '.join(call_types)}) -> ()")
         body.append("        return")
         exports.append(f"    stream.executable.export public @{export} workgroups(%gx: index, %gy: index) -> (index, index, index) {{\n"
@@ -275,6 +377,59 @@ def _ort_block(bs: int, h: int, i: int, zero_points: bool) -> int:
             return q
         q //= 2
     return 0
+
+
+def _scatter(b: Builder, hidden: str, ids: str, values: str, experts: int, fill: float, dt: int) -> str:
+    """[T, E] of ``fill`` with ``values`` [T, k] at columns ``ids`` [T, k] (ScatterElements, axis 1)."""
+    npdt = np.float16 if dt == TensorProto.FLOAT16 else np.float32
+    rows = b.op("Slice", [b.op("Shape", [hidden]), b.const(np.array([0], np.int64), "s0"), b.const(np.array([1], np.int64), "s1")])
+    shape = b.op("Concat", [rows, b.const(np.array([experts], np.int64), "experts")], axis=0)
+    base = b.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.array([fill], npdt)), dtype=dt)
+    return b.op("ScatterElements", [base, ids, values], axis=1, dtype=dt)
+
+
+#: ops through which a positive input stays positive (data input 0), and positive sources
+_KEEPS_SIGN = frozenset({"Gather", "GatherElements", "GatherND", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast",
+                         "Identity", "Expand", "Transpose", "Slice", "Tile", "Concat", "ReduceSum", "ReduceMax", "Relu6"})
+_POSITIVE = frozenset({"Sigmoid", "Softmax", "Exp"})
+
+
+def positive(graph: Graph, value: str, depth: int = 24) -> str | None:
+    """None when ``value`` is provably > 0 from how the graph computes it (Sigmoid, Softmax, Exp; kept by
+    selection and reshaping ops, ReduceSum, TopK values, Mul/Div of positives, Add of a positive and a
+    non-negative, Clip or Max with a positive lower bound); else the reason, naming the node."""
+    if depth == 0:
+        return f"'{value}' is computed too far from a sigmoid or softmax"
+    c = graph.const(value)
+    if c is not None:
+        return None if c.size and float(np.min(c)) > 0 else f"constant '{value}' is not positive"
+    n = graph.producer_node(value)
+    if n is None:
+        return f"'{value}' is a graph input"
+    if n.op_type in _POSITIVE:
+        return None
+    if n.op_type == "TopK" and value == n.outputs[0]:
+        return positive(graph, n.inputs[0], depth - 1)
+    if n.op_type in _KEEPS_SIGN:
+        inputs = [i for i in n.inputs if i] if n.op_type == "Concat" else n.inputs[:1]
+        return next((r for r in (positive(graph, i, depth - 1) for i in inputs) if r), None)
+    if n.op_type in ("Mul", "Div"):
+        return next((r for r in (positive(graph, i, depth - 1) for i in n.inputs) if r), None)
+    if n.op_type == "Add":
+        nonneg = [i for i in n.inputs if (graph.const(i) is not None and float(np.min(graph.const(i))) >= 0)]
+        rest = [i for i in n.inputs if i not in nonneg]
+        if len(rest) == 1 or (not rest and nonneg):
+            return positive(graph, rest[0], depth - 1) if rest else None
+        return next((r for r in (positive(graph, i, depth - 1) for i in rest) if r), None)
+    if n.op_type in ("Clip", "Max"):
+        bound = n.inputs[1] if n.op_type == "Clip" and len(n.inputs) > 1 else None
+        if n.op_type == "Max":
+            return None if any(positive(graph, i, depth - 1) is None for i in n.inputs) else f"{n.describe()} of non-positive values"
+        c = graph.const(bound) if bound else None
+        if c is not None and float(np.min(c)) > 0:
+            return None
+        return positive(graph, n.inputs[0], depth - 1)
+    return f"{n.describe()} may give values <= 0"
 
 
 def _interleave(a: np.ndarray) -> np.ndarray:

@@ -8,14 +8,23 @@ inverse permutation; the number of nodes grows with the number of experts. Inste
 
 1. finds the router nearest the sum: a TopK (``largest=1``) over ``Softmax(logits)`` or over ``logits``, or
    ``topk``'s ``MoERouterTopK`` (whose routing is then known), with ``logits = MatMul/Gemm(hidden, W)``;
-2. collects the region: every node between ``hidden``/``logits`` and the sum (it may read graph inputs only
-   through ``Shape``), and its stacked expert weights (rank-3 initializers with E as the first dim);
-3. refuses regions that compare, clamp or round float data (thresholds random inputs may never reach) or
-   use ops of other domains; runs the region alone on ONNX Runtime (basic level) with random ``hidden`` and
-   ``logits`` for T = 1, 3 and E + 1 tokens and once with activations 30 times larger, and compares it with
-   `FusedMoE.reference` under each reading of the weights (gate/up stack [E, 2I, H] or
-   its transpose, gate and up concatenated or interleaved; down [E, H, I] or its transpose) and of the routing
-   (softmax then top-k, renormalized or not; top-k then softmax).
+   when that router does not explain the region (sigmoid scores, selection biases, grouped top-k, scaling
+   factors: DeepSeek-V3, GLM4-MoE, dots1, Ernie 4.5; routers with biases: gpt-oss), the *routed* cut instead:
+   the float [T, k] mixing weights and the integer [T, k] expert ids nearest the sum, and the ``hidden`` the
+   router's MatMul/Gemm reads above the ids. The router then stays in the graph as it is;
+2. collects the region: every node between the cut (``hidden``, and ``logits`` or the weights and ids) and
+   the sum (it may read graph inputs only through ``Shape``), its stacked expert weights (rank-3
+   initializers with E as the first dim) and expert biases (rank 2, E first);
+3. refuses regions that compare, clamp or round float data (thresholds random inputs may never reach),
+   except a SwiGLU clamp: ``Clip``/``Min``/``Max`` with constant bounds of one magnitude ``limit``, accepted
+   only when the draws reach it (the reading with the clamp differs from the one without); refuses ops of
+   other domains; runs the region alone on ONNX Runtime (basic level) with random inputs at the cut (routed:
+   weights in [0.05, 1], k distinct experts per token) for T = 1, 3 and E + 1 tokens and once with
+   activations 30 times larger, and compares it with `FusedMoE.reference` under each reading of the weights
+   (gate/up stack [E, 2I, H] or its transpose, gate and up concatenated or interleaved; down [E, H, I] or its
+   transpose; biases in the gate/up reading's order), of the routing (softmax then top-k, renormalized or not;
+   top-k then softmax; routed) and of the SwiGLU (``alpha`` from the region's scalar Mul constants, ``beta``
+   from its scalar Add constants, seed 003 section 8).
 
 The first reading that reproduces the region within the dtype's tolerance (float32 1e-4, float16 1e-2,
 relative to the largest output) on every draw is the match; if none does, the region is refused with the
@@ -50,6 +59,8 @@ MAX_K = 64
 #: relative tolerance of the numerical check by hidden dtype
 TOLERANCE = {TensorProto.FLOAT: 1e-4, TensorProto.FLOAT16: 1e-2, TensorProto.BFLOAT16: 1e-2}
 _ROUTINGS = (("softmax_topk", 0), ("softmax_topk", 1), ("topk_softmax", 0))
+#: threshold ops a SwiGLU clamp is spelled with
+_CLAMP_OPS = frozenset({"Clip", "Min", "Max"})
 
 
 @dataclass
@@ -59,10 +70,13 @@ class Proven:
     Attributes:
         hidden: the [T, H] value the experts read; logits: the router's [T, E] output.
         fc1: gate and up stacked [E, 2I, H] (gate rows first); fc2: down [E, H, I].
-        k, normalize, mode: FusedMoE's routing attributes.
+        k, normalize, mode: FusedMoE's routing attributes (mode ``routed``: ``logits`` is the [T, k] mixing
+            weights and ``ids`` the [T, k] expert ids).
         region: the nodes between hidden/logits (or the fused router's outputs) and the sum, removed when unused
             after the rewrite.
         error: the largest relative error of the accepted reading over the draws.
+        ids: the expert ids (routed only); b1 [E, 2I] / b2 [E, H]: float32 expert biases or None;
+        alpha, beta, limit: the SwiGLU's (FusedMoE ``activation_alpha``, ``activation_beta``, ``swiglu_limit``).
     """
 
     hidden: str
@@ -74,6 +88,12 @@ class Proven:
     mode: str
     region: list[Node]
     error: float
+    ids: str = ""
+    b1: np.ndarray | None = None
+    b2: np.ndarray | None = None
+    alpha: float = 1.0
+    beta: float = 0.0
+    limit: float = 0.0
 
 
 def _upstream(graph: Graph, start: list[str], stop: set[str], limit: int, *, truncate: bool = False) -> list[Node] | None:
@@ -190,8 +210,9 @@ def _region_model(graph: Graph, region: list[Node], cut: list[str], out: str) ->
     return model
 
 
-def _readings(weights: list[np.ndarray], H: int):
-    """(fc1 [E, 2I, H], fc2 [E, H, I], description) for every reading of two stacked weights."""
+def _readings(weights: list[np.ndarray], biases: list[np.ndarray], H: int):
+    """(fc1 [E, 2I, H], fc2 [E, H, I], b1 [E, 2I] | None, b2 [E, H] | None, description) for every reading of
+    two stacked weights and the rank-2 biases (none; one, of width 2I or H; or one of each width)."""
     for a, b in ((0, 1), (1, 0)):
         for fc1_layout, fc1 in (("out-in", weights[a]), ("in-out", weights[a].transpose(0, 2, 1))):
             if fc1.shape[2] != H or fc1.shape[1] % 2:
@@ -200,34 +221,144 @@ def _readings(weights: list[np.ndarray], H: int):
             for fc2_layout, fc2 in (("out-in", weights[b]), ("in-out", weights[b].transpose(0, 2, 1))):
                 if fc2.shape[1:] != (H, I):
                     continue
-                yield fc1, fc2, f"gate/up {fc1_layout} concatenated, down {fc2_layout}"
-                yield (np.concatenate([fc1[:, 0::2], fc1[:, 1::2]], axis=1), fc2,
-                       f"gate/up {fc1_layout} interleaved, down {fc2_layout}")
+                if len(biases) == 2:
+                    pairs = [(x, y) for ix, x in enumerate(biases) for iy, y in enumerate(biases)
+                             if ix != iy and x.shape[1] == 2 * I and y.shape[1] == H]
+                elif biases:
+                    pairs = [p for p in ((biases[0], None), (None, biases[0]))
+                             if (p[0] if p[0] is not None else p[1]).shape[1] == (2 * I if p[0] is not None else H)]
+                else:
+                    pairs = [(None, None)]
+                for b1, b2 in pairs:
+                    yield fc1, fc2, b1, b2, f"gate/up {fc1_layout} concatenated, down {fc2_layout}"
+                    yield (np.concatenate([fc1[:, 0::2], fc1[:, 1::2]], axis=1), fc2,
+                           None if b1 is None else np.concatenate([b1[:, 0::2], b1[:, 1::2]], axis=1), b2,
+                           f"gate/up {fc1_layout} interleaved, down {fc2_layout}")
+
+
+@dataclass
+class Routed:
+    """The routed cut above a sum: mixing ``weights`` and expert ``ids`` [T, k], the ``hidden`` [T, H] the
+    router reads, E."""
+
+    weights: str
+    ids: str
+    hidden: str
+    experts: int
+
+
+def find_routed(graph: Graph, nearest_first: list[Node], sum_node: Node, k: int) -> Routed | str:
+    """The float and the integer [T, k] values nearest the sum (T the sum's first dim), and above the ids the
+    nearest MatMul/Gemm with a constant [H, E] (or Gemm ``transB`` [E, H]) weight reading a [T, H] value."""
+    out = graph.values[sum_node.outputs[0]]
+    if out.shape is None or len(out.shape) != 2:
+        return f"the sum's output '{sum_node.outputs[0]}' is {out.type_str()}, not [T, H]"
+    T, H = out.shape
+
+    def is_tk(v: str, floats: bool) -> bool:
+        val = graph.values.get(v)
+        if val is None or val.shape is None or len(val.shape) != 2 or val.shape[1] != k or val.shape[0] != T:
+            return False
+        return (val.dtype in TOLERANCE) if floats else val.dtype in (TensorProto.INT64, TensorProto.INT32)
+
+    weights = ids = None
+    for n in nearest_first:
+        for o in n.outputs:
+            if o and weights is None and is_tk(o, True):
+                weights = o
+            if o and ids is None and is_tk(o, False):
+                ids = o
+    if weights is None or ids is None:
+        return f"no float and integer [{T}, {k}] values (mixing weights, expert ids) above the sum"
+    for n in _upstream(graph, [ids], set(graph.initializers) | set(graph.inputs), 400, truncate=True):
+        if n.op_type not in ("MatMul", "Gemm") or len(n.inputs) < 2:
+            continue
+        w = graph.const(n.inputs[1])
+        hv = graph.values.get(n.inputs[0])
+        if w is None or w.ndim != 2 or hv is None or hv.shape is None or len(hv.shape) != 2 or hv.shape[1] != H:
+            continue
+        if n.op_type == "Gemm" and (n.attr("transA", 0) or n.attr("alpha", 1.0) != 1.0):
+            continue
+        experts = w.shape[0] if n.op_type == "Gemm" and n.attr("transB", 0) else w.shape[1]
+        return Routed(weights, ids, n.inputs[0], int(experts))
+    return f"no router MatMul/Gemm(hidden [T, {H}], W) above the expert ids '{ids}'"
+
+
+def _scalars(graph: Graph, region: list[Node], op_types: tuple[str, ...]) -> list[float]:
+    """Distinct scalar float constants the region's ``op_types`` nodes read."""
+    out: list[float] = []
+    for n in region:
+        if n.op_type in op_types:
+            for i in n.inputs:
+                c = graph.const(i) if i else None
+                if c is not None and c.size == 1 and c.dtype.kind == "f" and float(c.reshape(-1)[0]) not in out:
+                    out.append(float(c.reshape(-1)[0]))
+    return out
+
+
+def _clamp_limit(graph: Graph, region: list[Node]) -> float | str | None:
+    """The SwiGLU clamp's limit when every threshold op on float data in the region is a Clip/Min/Max with
+    constant bounds of one magnitude; None when the region has no threshold op; else a refusal."""
+    limits = set()
+    for n in region:
+        first = graph.values.get(n.inputs[0]) if n.inputs and n.inputs[0] else None
+        if n.op_type not in _THRESHOLD_OPS or first is None or first.dtype not in TOLERANCE:
+            continue
+        refusal = f"{n.describe()} applies a threshold to float data; a random-input check cannot cover it"
+        if n.op_type not in _CLAMP_OPS:
+            return refusal
+        bounds = [graph.const(i) for i in n.inputs[1:] if i]
+        if not bounds or any(b is None or b.size != 1 for b in bounds):
+            return refusal
+        limits |= {abs(float(b.reshape(-1)[0])) for b in bounds}
+    if len(limits) > 1 or 0.0 in limits:
+        return f"clamps with bounds {sorted(limits)} are not one SwiGLU limit"
+    return limits.pop() if limits else None
 
 
 def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int = 0) -> Proven | str:
     """Prove that ``sum_node`` (the per-token sum over the k selected experts) computes FusedMoE; see the
-    module docstring. Returns the :class:`Proven` reading, or a one-line refusal."""
-    import onnxruntime as ort
-
+    module docstring. Returns the :class:`Proven` reading, or a one-line refusal (the logits cut's when
+    both cuts fail and the router was found, else the routed cut's)."""
     probe = _upstream(graph, [pairs], set(graph.initializers) | set(graph.inputs), MAX_REGION_NODES, truncate=True)
     router = find_router(graph, probe)
-    if isinstance(router, str):
-        return router
-    logits, hidden, E = router.logits, router.hidden, router.experts
-    if router.fused:  # topk's op: its routing is known, and the region starts at its outputs
+    first = router if isinstance(router, str) else _prove(graph, sum_node, k, router, seed)
+    if isinstance(first, Proven):
+        return first
+    routed = find_routed(graph, probe, sum_node, k)
+    if isinstance(routed, str):
+        return first
+    second = _prove(graph, sum_node, k, routed, seed)
+    if isinstance(second, Proven) or not isinstance(router, Router):
+        return second
+    return first if first.startswith("no FusedMoE reading") and not second.startswith("no FusedMoE reading") else second
+
+
+def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: int) -> Proven | str:
+    """The check of the module docstring for one cut: ``router`` (logits) or ``Routed`` (weights and ids)."""
+    import onnxruntime as ort
+
+    hidden, E = router.hidden, router.experts
+    routed = isinstance(router, Routed)
+    if routed:
+        routings = (("routed", 0),)
+        logits = router.weights
+        cut = [router.weights, router.ids]
+    elif router.fused:  # topk's op: its routing is known, and the region starts at its outputs
+        logits = router.logits
         routings = ((router.node.attr("mode", "softmax_topk"), int(router.node.attr("normalize", 0))),)
         selected = int(router.node.attr("k"))
         cut = [o for o in router.node.outputs if o]
     else:
+        logits = router.logits
         routings = _ROUTINGS
         k_const = graph.const(router.node.inputs[1])
         selected = int(k_const.reshape(-1)[0]) if k_const is not None and k_const.size == 1 else None
         cut = [logits]
-    if selected != k:
+    if not routed and selected != k:
         return f"router {router.node.describe()} selects {selected} experts, the sum adds {k}"
     hv, lv = graph.values[hidden], graph.values[logits]
-    if hv.dtype not in TOLERANCE or lv.dtype != hv.dtype or not isinstance(hv.shape[1], int):
+    if hv.dtype not in TOLERANCE or lv.dtype not in TOLERANCE or (not routed and lv.dtype != hv.dtype) or not isinstance(hv.shape[1], int):
         return f"hidden '{hidden}' is {hv.type_str()}, logits '{logits}' {lv.type_str()}: expected one float dtype and a static width"
     if not 1 <= k <= min(MAX_K, E):
         return f"k={k} outside 1..min({MAX_K}, E={E})"
@@ -239,18 +370,24 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
     if region is None:
         return f"more than {MAX_REGION_NODES} nodes between the router and the sum"
     region = sorted(region + [sum_node], key=lambda n: n.order)
+    limit = _clamp_limit(graph, region)
+    if isinstance(limit, str):
+        return limit
     for n in region:
-        first = graph.values.get(n.inputs[0]) if n.inputs and n.inputs[0] else None
-        if n.op_type in _THRESHOLD_OPS and first is not None and first.dtype in TOLERANCE:
-            return f"{n.describe()} applies a threshold to float data; a random-input check cannot cover it"
         if n.domain not in ("", "ai.onnx"):
             return f"{n.describe()} is in domain '{n.domain}'"
     H = hv.shape[1]
     names = dict.fromkeys(i for n in region for i in n.inputs if i in graph.initializers)
-    weights = [graph.const(i) for i in names]
-    weights = [w for w in weights if w is not None and w.ndim == 3 and w.shape[0] == E]
+    consts = [c for c in (graph.const(i) for i in names) if c is not None and c.shape[:1] == (E,) and c.dtype.kind == "f"]
+    weights = [w for w in consts if w.ndim == 3]
+    biases = [b for b in consts if b.ndim == 2]
+    if len(biases) == 1 and sum(i in graph.initializers and graph.const(i).ndim == 2 and graph.const(i).shape[0] == E
+                                for n in region for i in n.inputs) >= 2:
+        biases *= 2  # one initializer read as both biases (an exporter merges equal constants: zero biases)
     if len(weights) != 2:
         return f"{len(weights)} stacked expert weights [E={E}, ., .] in the region (want gate/up and down)"
+    if len(biases) > 2:
+        return f"{len(biases)} expert biases [E={E}, .] in the region (want at most gate/up and down)"
     model = _region_model(graph, region, cut, out)
     if isinstance(model, str):
         return model
@@ -276,35 +413,58 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
         feeds = make_feeds(extra, seq=T, seed=seed) if extra else {}
         x = (rng.standard_normal((T, H)) * scale).astype(dtype)
         feeds.update({a: x for a in hidden_aliases if a in read})
-        z = (rng.standard_normal((T, E)) * 3).astype(helper.tensor_dtype_to_np_dtype(graph.values[logits].dtype))
-        if router.fused:
+        ldt = helper.tensor_dtype_to_np_dtype(lv.dtype)
+        ids = None
+        if routed:
+            z = rng.uniform(0.05, 1.0, (T, k)).astype(ldt)
+            ids = np.stack([rng.permutation(E)[:k] for _ in range(T)])
+            feeds[router.weights] = z
+            feeds[router.ids] = ids.astype(helper.tensor_dtype_to_np_dtype(graph.values[router.ids].dtype))
+        else:
+            z = (rng.standard_normal((T, E)) * 3).astype(ldt)  # spread by 3: no near-ties in the top-k
+        if not routed and router.fused:
             mode, normalize = routings[0]
             wdt = helper.tensor_dtype_to_np_dtype(graph.values[router.node.outputs[0]].dtype)
             w, i = router_topk_reference(z, k, normalize, mode, wdt)
             feeds.update({o: v for o, v in zip(router.node.outputs, (w, i)) if o in read})
-        else:
-            feeds[logits] = z  # spread by 3: no near-ties in the top-k
+        elif not routed:
+            feeds[logits] = z
         try:
             got = session.run([out], feeds)[0].astype(np.float64)
         except Exception as e:
             return f"the region fails on random inputs: {str(e).splitlines()[0][:160]}"
-        draws.append((x, z, got))
+        draws.append((x, z, ids, got))
     op = FusedMoE()
+    alphas = [1.0] + [a for a in _scalars(graph, region, ("Mul",)) if a > 0 and a != 1.0]
+    betas = [0.0] + [b for b in _scalars(graph, region, ("Add",)) if b != 0.0]
+    activations = [(a, b, limit or 0.0) for a in alphas for b in betas]
     closest = (np.inf, "")
-    for fc1, fc2, how in _readings(weights, H):
+    for fc1, fc2, b1, b2, how in _readings(weights, biases, H):
         for mode, normalize in routings:
-            attrs = dict(k=k, normalize=normalize, mode=mode)
-            err = 0.0
-            for x, z, got in draws:
-                ref = op.reference(attrs, x, z, fc1, fc2)[0].astype(np.float64)
-                err = max(err, float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6)))
-                if err > tol:
-                    break
-            if err <= tol:
-                removable = [n for n in region if n.id != sum_node.id]
-                if router.fused:  # topk's router goes too when nothing else reads it
-                    removable.append(router.node)
-                return Proven(hidden, logits, fc1.astype(np.float32), fc2.astype(np.float32), k, normalize, mode,
-                              removable, err)
-            closest = min(closest, (err, f"{how}, {mode}{' renormalized' if normalize else ''}"))
+            for alpha, beta, lim in activations:
+                attrs = dict(k=k, normalize=normalize, mode=mode, activation_alpha=alpha, activation_beta=beta, swiglu_limit=lim)
+                err, reached = 0.0, not lim
+                for x, z, ids, got in draws:
+                    ref = op.reference(attrs, x, z, fc1, fc2, ids=ids, b1=b1, b2=b2)[0].astype(np.float64)
+                    scale_ref = max(np.abs(ref).max(), 1e-6)
+                    err = max(err, float(np.abs(got - ref).max() / scale_ref))
+                    if err > tol:
+                        break
+                    if not reached:  # the clamp must change the result on some draw, or the draws never reach it
+                        free = op.reference({**attrs, "swiglu_limit": 0.0}, x, z, fc1, fc2, ids=ids, b1=b1, b2=b2)[0]
+                        reached = float(np.abs(free.astype(np.float64) - ref).max() / scale_ref) > 10 * tol
+                if err <= tol and not reached:
+                    err = np.inf
+                    closest = min(closest, (err, f"{how}: the draws never reach the clamp at {lim}"))
+                    continue
+                if err <= tol:
+                    removable = [n for n in region if n.id != sum_node.id]
+                    if not routed and router.fused:  # topk's router goes too when nothing else reads it
+                        removable.append(router.node)
+                    f32 = lambda a: None if a is None else a.astype(np.float32)  # noqa: E731
+                    return Proven(hidden, logits, fc1.astype(np.float32), fc2.astype(np.float32), k, normalize, mode,
+                                  removable, err, ids=router.ids if routed else "", b1=f32(b1), b2=f32(b2),
+                                  alpha=alpha, beta=beta, limit=lim)
+                closest = min(closest, (err, f"{how}, {mode}{' renormalized' if normalize else ''}"
+                                             f"{f', SwiGLU alpha {alpha} beta {beta} limit {lim}' if (alpha, beta, lim) != (1.0, 0.0, 0.0) else ''}"))
     return f"no FusedMoE reading reproduces the region (closest: {closest[1]}, relative error {closest[0]:.2e})"
