@@ -54,6 +54,7 @@ class Row:
     moe: int = 0
     verify: dict = field(default_factory=dict)
     tokens: dict = field(default_factory=dict)
+    #: why ``moe`` did not fuse every layer, else why ``topk`` did not (empty when both did)
     reason: str = ""
     seconds: float = 0.0
 
@@ -74,8 +75,10 @@ class Row:
 
 def moe_layer_count(model) -> int:
     """MoE feed-forward blocks in the model: ``experts`` modules outside attention (JetMoE's attention experts
-    are not an MoE feed-forward block)."""
-    return sum(1 for name, _ in model.named_modules() if name.endswith(".experts") and "attention" not in name)
+    are not an MoE feed-forward block; its feed-forward experts are the ``mlp.input_linear`` /
+    ``output_linear`` pair)."""
+    return sum(1 for name, _ in model.named_modules()
+               if name.endswith((".experts", ".mlp.input_linear")) and "attention" not in name)
 
 
 def first_refusal(report: list[dict], plugin: str) -> str:
@@ -143,6 +146,8 @@ def run_row(row: Row, out: Path, steps: int) -> Row:
     row.topk, row.moe = count("topk"), count("moe")
     if not row.fused:
         row.reason = first_refusal(reports, "moe") or first_refusal(reports, "topk")
+    elif row.topk != row.moe_layers:  # the experts fused, the router did not: say why
+        row.reason = first_refusal(reports, "topk")
     print("partial: " + json.dumps(asdict(row)), flush=True)  # what a crash later in the row keeps
     stage("reference tokens on ONNX Runtime")
     reference = Generator.reference(path).generate(PROMPT, steps).tokens
@@ -168,7 +173,7 @@ def markdown(rows: list[Row], command: str) -> str:
         "(`ort`) and IREE llvm-cpu (`iree`). `verify`: every output against ONNX Runtime on the original at the basic",
         f"level; tokens: {len(PROMPT)}-token prompt then greedy decoding, against ONNX Runtime on the original.", "",
         f"Produced by `{command}`.", "",
-        "| family | exporter | experts | dtype | topk | moe | verify ort | verify iree | tokens ort | tokens iree | not fused because |",
+        "| family | exporter | experts | dtype | topk | moe | verify ort | verify iree | tokens ort | tokens iree | not fused because (moe, else topk) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

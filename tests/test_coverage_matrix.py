@@ -19,6 +19,9 @@ FUSED = [
     ("granitemoe", "hf", "batched_mm", "fp32"),      # raw top-k then softmax
     ("hunyuan_v1_moe", "hf", "batched_mm", "fp32"),  # Softmax over axis 1 of [T, E], TopK over axis -1
     ("deepseek_v2", "hf", "batched_mm", "fp32"),     # latent attention; softmax top-k router, shared experts
+    ("deepseek_v3", "hf", "batched_mm", "fp32"),     # sigmoid scores, selection bias, grouped top-k, scaling
+    ("glm4_moe", "dynamo", "batched_mm", "fp32"),    # the same, with unsorted TopKs (sorted=0)
+    ("ernie4_5_moe", "dynamo", "batched_mm", "fp32"),  # softmax scores, selection bias, clamped renormalization
     ("qwen2_moe", "hf", "grouped_mm", "fp32"),       # transformers' default experts: sorted tokens, a MatMul per expert
     ("olmoe", "hf", "grouped_mm", "fp32"),
 ]
@@ -37,12 +40,13 @@ def test_family_fuses_exactly(tmp_path, family, exporter, experts, dtype):
 
 
 @pytest.mark.slow
-def test_unsupported_family_is_refused_with_a_reason_and_left_exact(tmp_path):
-    """PhiMoE's sparsemixer router has no fused equivalent: nothing fuses, the report says where the pattern
-    stopped, and the lowered models still decode like the original."""
+def test_router_without_top_k_is_refused_and_its_experts_still_fuse_exactly(tmp_path):
+    """PhiMoE's sparsemixer router selects with ArgMax and masked re-selection, which MoERouterTopK does not
+    express: ``topk`` leaves it in place and says where its best attempt stopped; ``moe`` fuses the experts
+    from the router's own weights and ids (the routed cut), and the lowered models decode like the original."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         row = coverage_matrix.run_row(coverage_matrix.Row("phimoe", "hf", "batched_mm", "fp32"), tmp_path, steps=8)
-    assert (row.topk, row.moe) == (0, 0)
-    assert row.reason == "moe/fused-moe-by-value: no router (TopK over Softmax(MatMul(hidden, W)) or MatMul(hidden, W)) above the sum"
+    assert (row.topk, row.moe) == (0, 2)
+    assert row.reason == "topk/grouped-router: 'getitem_1' is output 0 of 'node_max_1__1' (ArgMax), pattern wants output 1"
     assert row.verify == {"ort": "pass", "iree": "pass"} and row.tokens == {"ort": "equal", "iree": "equal"}

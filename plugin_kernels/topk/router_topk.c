@@ -6,7 +6,9 @@
 //                          then the k largest p;
 //   mode 1 (topk_softmax): the k largest logits x, then softmax over those k;
 //   mode 2 (topk):         the k largest x themselves (ONNX TopK, largest=1, sorted=1, last axis);
-//   normalize: w /= sum(w) over the k selected weights.
+//   normalize: w /= sum(w) over the k selected weights;
+//   grouped mode (sigmoid or softmax scores, selection bias, group-limited top-k, normalization, scaling):
+//   route_grouped below, its own entry points router_grouped_<x>_<w>_workgroup.
 // Selection is O(k*E): each round takes the largest value ordered after the previous pick in
 // (value descending, index ascending) order, so among equal values the lower index comes first
 // (ONNX TopK-11: "the element with the lower index will appear first"). NaN logits give unspecified
@@ -156,3 +158,107 @@ ROUTER_ENTRY(router_topk_f32_f32_workgroup, float, float, 0, x + x_off, w + w_of
 ROUTER_ENTRY(router_topk_f32_f16_workgroup, float, uint16_t, 0, x + x_off, 0, w + w_off)
 ROUTER_ENTRY(router_topk_f16_f32_workgroup, uint16_t, float, x + x_off, 0, w + w_off, 0)
 ROUTER_ENTRY(router_topk_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0, 0, w + w_off)
+
+// Grouped mode (DeepSeek-V3, GLM4-MoE, dots1 with groups; Ernie 4.5 with one group; reference:
+// router_topk_reference in rewrite/plugins/router.py), one token, float32 throughout:
+//   s = sigmoid(x) (scoring 0) or softmax(x) (scoring 1); c = s + bias;
+//   group score = sum of the 2 largest c of each group; the topk_group best groups are kept, c = -inf elsewhere;
+//   idx = top-k(c); w = s[idx]; when normalize: w /= max(sum(w) + eps, lo); w *= scale.
+static size_t pick(const float* v, size_t n, size_t r, float pv, size_t pi) {
+  size_t best = n;  // the largest value ordered after (pv, pi) in (value descending, index ascending) order
+  for (size_t j = 0; j < n; ++j) {
+    if (r > 0 && !(v[j] < pv || (v[j] == pv && j > pi))) continue;
+    if (best == n || v[j] > v[best]) best = j;
+  }
+  return best == n ? 0 : best;  // n only with NaN scores
+}
+
+typedef struct {
+  size_t e, k, normalize, scoring, n_group, topk_group;
+  float scale, eps, lo;
+} grouped_params;
+
+static void route_grouped(const uint16_t* xh, const float* xf, const float* bias, const grouped_params* p,
+                          float* wf, uint16_t* wh, int64_t* idx, float* s, float* c) {
+  size_t e = p->e, k = p->k;
+  for (size_t j = 0; j < e; ++j) s[j] = xh ? rewrite_router_f16_to_f32(xh[j]) : xf[j];
+  if (p->scoring == 0) {
+    for (size_t j = 0; j < e; ++j) s[j] = (float)(1.0 / (1.0 + exp_d(-(double)s[j])));
+  } else {
+    float m = s[0];
+    for (size_t j = 1; j < e; ++j) if (s[j] > m) m = s[j];
+    double sum = 0.0;
+    for (size_t j = 0; j < e; ++j) sum += exp_d((double)s[j] - (double)m);
+    for (size_t j = 0; j < e; ++j) s[j] = (float)(exp_d((double)s[j] - (double)m) / sum);
+  }
+  for (size_t j = 0; j < e; ++j) c[j] = s[j] + bias[j];
+  if (p->n_group > 1) {
+    size_t g_n = p->n_group, per = e / g_n;
+    float gs[ROUTER_TOPK_MAX_EXPERTS / 2];
+    unsigned char kept[ROUTER_TOPK_MAX_EXPERTS / 2];
+    for (size_t g = 0; g < g_n; ++g) {
+      size_t a = pick(c + g * per, per, 0, 0.0f, 0), b = pick(c + g * per, per, 1, c[g * per + a], a);
+      gs[g] = c[g * per + a] + c[g * per + b];
+      kept[g] = 0;
+    }
+    float pv = 0.0f;
+    size_t pi = 0;
+    for (size_t r = 0; r < p->topk_group; ++r) {
+      pi = pick(gs, g_n, r, pv, pi);
+      pv = gs[pi];
+      kept[pi] = 1;
+    }
+    for (size_t j = 0; j < e; ++j) if (!kept[j / per]) c[j] = -__builtin_inff();
+  }
+  float pv = 0.0f, sum = 0.0f;
+  size_t pi = 0;
+  for (size_t r = 0; r < k; ++r) {
+    pi = pick(c, e, r, pv, pi);
+    pv = c[pi];
+    idx[r] = (int64_t)pi;
+    sum += s[pi];
+  }
+  float denom = sum + p->eps;
+  if (denom < p->lo) denom = p->lo;
+  for (size_t r = 0; r < k; ++r) {
+    float w = s[idx[r]];
+    if (p->normalize) w = w / denom;
+    w = w * p->scale;
+    if (wh) wh[r] = rewrite_router_f32_to_f16(w);
+    else wf[r] = w;
+  }
+}
+
+static void route_grouped_block(const uint16_t* xh, const float* xf, const float* bias, float* wf, uint16_t* wh,
+                                int64_t* idx, size_t t, size_t wg, grouped_params p) {
+  float s[ROUTER_TOPK_MAX_EXPERTS], c[ROUTER_TOPK_MAX_EXPERTS];
+  size_t e = p.e, k = p.k;
+  // the lowering refuses what these checks catch; here they only keep every access in bounds
+  if (e == 0 || e > ROUTER_TOPK_MAX_EXPERTS || k == 0 || k > e || p.n_group == 0 || e % p.n_group ||
+      p.topk_group == 0 || p.topk_group > p.n_group || (p.n_group > 1 && e / p.n_group < 2))
+    return;
+  size_t t0 = wg * ROUTER_TOPK_TOKENS, t1 = t0 + ROUTER_TOPK_TOKENS < t ? t0 + ROUTER_TOPK_TOKENS : t;
+  for (size_t i = t0; i < t1; ++i)
+    route_grouped(xh ? xh + i * e : 0, xf ? xf + i * e : 0, bias, &p, wf ? wf + i * k : 0, wh ? wh + i * k : 0,
+                  idx + i * k, s, c);
+}
+
+static float bits_f32(size_t bits) {
+  f32_bits v = {.u = (uint32_t)bits};
+  return v.f;
+}
+
+// scale, eps and lo arrive as the bit patterns of float32 values (push constants are integers)
+#define GROUPED_ENTRY(NAME, XT, WT, XH, XF, WF, WH)                                                          \
+  void NAME(const XT* x, size_t x_off, const float* bias, size_t b_off, WT* w, size_t w_off, int64_t* idx,   \
+            size_t idx_off, size_t t, size_t e, size_t k, size_t wg, size_t normalize, size_t scoring,       \
+            size_t n_group, size_t topk_group, size_t scale_bits, size_t eps_bits, size_t lo_bits) {         \
+    grouped_params p = {e, k, normalize, scoring, n_group, topk_group, bits_f32(scale_bits), bits_f32(eps_bits), \
+                        bits_f32(lo_bits)};                                                                  \
+    route_grouped_block(XH, XF, bias + b_off, WF, WH, idx + idx_off, t, wg, p);                              \
+  }
+
+GROUPED_ENTRY(router_grouped_f32_f32_workgroup, float, float, 0, x + x_off, w + w_off, 0)
+GROUPED_ENTRY(router_grouped_f32_f16_workgroup, float, uint16_t, 0, x + x_off, 0, w + w_off)
+GROUPED_ENTRY(router_grouped_f16_f32_workgroup, uint16_t, float, x + x_off, 0, w + w_off, 0)
+GROUPED_ENTRY(router_grouped_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0, 0, w + w_off)

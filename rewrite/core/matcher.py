@@ -400,6 +400,8 @@ class Match:
     def __init__(self, graph: Graph, pattern: Pattern, binding: Binding):
         self.graph, self.pattern, self.binding = graph, pattern, binding
         self.nodes: list[Node] = sorted((graph.nodes[i] for i in binding.nodes.values()), key=lambda n: n.order)
+        #: the values the rewrite's results replace; a check may move one downstream of the pattern (a match
+        #: proved to extend past it), naming the nodes in between in ``extra_nodes``
         self.outputs: list[str] = [self._resolve_output(o) for o in pattern.outputs]
         #: nodes a check proved part of the match beyond the pattern's own (a region matched by what it
         #: computes); removed with the pattern's nodes when the rewrite leaves them unused

@@ -34,7 +34,6 @@ passed this check): it is how candidates that structure alone cannot establish a
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +41,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from rewrite.core.abstract_ops import DOMAIN
+from rewrite.core.analysis import region_model, upstream_nodes
 from rewrite.core.feeds import make_feeds, specs_of
 from rewrite.core.ir import Graph, Node
 from rewrite.plugins.moe_lowering import FusedMoE
@@ -96,26 +96,6 @@ class Proven:
     limit: float = 0.0
 
 
-def _upstream(graph: Graph, start: list[str], stop: set[str], limit: int, *, truncate: bool = False) -> list[Node] | None:
-    """Producers of ``start`` and their producers, not crossing ``stop`` values, nearest first (breadth-first);
-    past ``limit`` nodes: None, or with ``truncate`` the nearest ``limit``."""
-    seen: dict[int, Node] = {}
-    queue = deque(v for v in start if v not in stop)
-    visited = set(queue)
-    while queue:
-        node = graph.producer_node(queue.popleft())
-        if node is None or node.id in seen:
-            continue
-        seen[node.id] = node
-        if len(seen) >= limit:
-            return list(seen.values()) if truncate else None
-        for i in node.inputs:
-            if i and i not in stop and i not in visited:
-                visited.add(i)
-                queue.append(i)
-    return list(seen.values())
-
-
 def _through_casts(graph: Graph, value: str) -> str:
     node = graph.producer_node(value)
     while node is not None and node.op_type in ("Cast", "Identity"):
@@ -146,8 +126,8 @@ def find_router(graph: Graph, nearest_first: list[Node]) -> Router | str:
     also a TopK; its input is not a router's.)"""
     for node in nearest_first:
         fused = node.op_type == "MoERouterTopK" and node.domain == DOMAIN
-        if (node.op_type != "TopK" and not fused) or (fused and node.attr("mode") == "topk"):
-            continue  # (topk's plain exact TopK stands for a TopK whose scores this search does not follow)
+        if (node.op_type != "TopK" and not fused) or (fused and node.attr("mode") in ("topk", "grouped")):
+            continue  # (topk's plain TopK and grouped router: the routed cut takes their weights and ids)
         src = _through_casts(graph, node.inputs[0])
         producer = graph.producer_node(src)
         if not fused and producer is not None and producer.op_type == "Softmax":
@@ -177,37 +157,6 @@ def _aliases(graph: Graph, value: str) -> list[str]:
         out.append(node.inputs[0])
         node = graph.producer_node(node.inputs[0])
     return out
-
-
-def _region_model(graph: Graph, region: list[Node], cut: list[str], out: str) -> onnx.ModelProto | str:
-    """The region as a model with output ``out``, whose inputs are the ``cut`` values it reads (hidden state and
-    its aliases, logits or the fused router's outputs) and the graph inputs it reads through Shape."""
-    produced = {o for n in region for o in n.outputs if o}
-    inputs, inits = [], []
-    for n in region:
-        for i in n.inputs:
-            if not i or i in produced:
-                continue
-            if i in graph.initializers:
-                if i not in inits:
-                    inits.append(i)
-            elif i in cut or (i in graph.inputs and n.op_type == "Shape"):  # checked at every read
-                if i not in inputs:
-                    inputs.append(i)
-            else:
-                return f"the region reads '{i}' in {n.describe()} (not the router's hidden or logits, a constant, or a shape)"
-    nodes = []
-    for n in region:
-        proto = helper.make_node(n.op_type, n.inputs, n.outputs, name=n.name, domain=n.domain)
-        proto.attribute.extend(n.attrs.values())
-        nodes.append(proto)
-    vis = [graph.values[v].to_value_info() for v in inputs]
-    out_vi = helper.make_tensor_value_info(out, graph.values[out].dtype, None)
-    tensors = [numpy_helper.from_array(graph.const(v), v) for v in inits]
-    model = helper.make_model(helper.make_graph(nodes, "moe_region", vis, [out_vi], tensors),
-                              opset_imports=list(graph.model_shell.opset_import))
-    model.ir_version = graph.model_shell.ir_version
-    return model
 
 
 def _readings(weights: list[np.ndarray], biases: list[np.ndarray], H: int):
@@ -270,7 +219,7 @@ def find_routed(graph: Graph, nearest_first: list[Node], sum_node: Node, k: int)
                 ids = o
     if weights is None or ids is None:
         return f"no float and integer [{T}, {k}] values (mixing weights, expert ids) above the sum"
-    for n in _upstream(graph, [ids], set(graph.initializers) | set(graph.inputs), 400, truncate=True):
+    for n in upstream_nodes(graph, [ids], set(graph.initializers) | set(graph.inputs), 400, truncate=True):
         if n.op_type not in ("MatMul", "Gemm") or len(n.inputs) < 2:
             continue
         w = graph.const(n.inputs[1])
@@ -320,7 +269,7 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
     """Prove that ``sum_node`` (the per-token sum over the k selected experts) computes FusedMoE; see the
     module docstring. Returns the :class:`Proven` reading, or a one-line refusal (the logits cut's when
     both cuts fail and the router was found, else the routed cut's)."""
-    probe = _upstream(graph, [pairs], set(graph.initializers) | set(graph.inputs), MAX_REGION_NODES, truncate=True)
+    probe = upstream_nodes(graph, [pairs], set(graph.initializers) | set(graph.inputs), MAX_REGION_NODES, truncate=True)
     router = find_router(graph, probe)
     first = router if isinstance(router, str) else _prove(graph, sum_node, k, router, seed)
     if isinstance(first, Proven):
@@ -365,7 +314,7 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     out = sum_node.outputs[0]
     hidden_aliases = _aliases(graph, hidden)
     cut = hidden_aliases + cut
-    region = _upstream(graph, list(sum_node.inputs), set(cut) | set(graph.initializers) | set(graph.inputs),
+    region = upstream_nodes(graph, list(sum_node.inputs), set(cut) | set(graph.initializers) | set(graph.inputs),
                        MAX_REGION_NODES)
     if region is None:
         return f"more than {MAX_REGION_NODES} nodes between the router and the sum"
@@ -388,7 +337,7 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
         return f"{len(weights)} stacked expert weights [E={E}, ., .] in the region (want gate/up and down)"
     if len(biases) > 2:
         return f"{len(biases)} expert biases [E={E}, .] in the region (want at most gate/up and down)"
-    model = _region_model(graph, region, cut, out)
+    model = region_model(graph, region, cut, [out])
     if isinstance(model, str):
         return model
     options = ort.SessionOptions()
