@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -82,6 +83,16 @@ def plugins_cmd() -> None:
     console.print(t)
 
 
+def _check_writable(option: str, path: str | None) -> None:
+    """A file option's folder must exist before any work starts (not fail after the output folder is written).
+
+    Raises:
+        click.UsageError: the folder is missing or is not a folder.
+    """
+    if path and not Path(path).resolve().parent.is_dir():
+        raise click.UsageError(f"{option} {path}: folder '{Path(path).parent}' does not exist")
+
+
 def _print_report(report: list[dict]) -> None:
     t = Table("plugin", "rule", "matches", "removed", "added", "refusals (at nodes) / why nothing matched")
     for pr in report:
@@ -117,6 +128,7 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
 
     expected = parse_expect(expect)
     options = _parse_opts(opts)
+    _check_writable("--report", report_path)
     if max_seq is not None:
         options.setdefault("kv", {})["max_seq"] = max_seq
     if stateful:
@@ -155,6 +167,7 @@ def explain_cmd(model, plugin_names, node, dims, show_all, json_path) -> None:
     """Why each rule of --plugins did (not) fire on MODEL: best partial match and the reason it stopped."""
     from rewrite.explain import explain
 
+    _check_writable("--json", json_path)
     exps = explain(model, plugin_names, node=node, dims=_parse_dims(dims))
     for e in exps:
         if show_all or e.status != "fired":
@@ -231,8 +244,17 @@ def verify_cmd(model, folder, inputs_path, rtol, seed, locate) -> None:
     sys.exit(0 if ok else 1)
 
 
+def _exit_on_signal(signum, _frame) -> None:
+    # SystemExit unwinds like any exception: staging folders are removed by their finally blocks, and a running
+    # iree-compile or importer child is killed by subprocess.run on the way out
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
-    """Console-script entry point: turns RewriteError into ``error: ...`` and exit status 2."""
+    """Console-script entry point: turns RewriteError into ``error: ...`` and exit status 2; SIGTERM and SIGHUP
+    end the run like Ctrl-C does (nothing half-written left behind, child processes ended), exit 128 + signal."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

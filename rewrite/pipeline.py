@@ -104,6 +104,37 @@ def _decoder_json(iface: DecoderInterface | None, manifest: Manifest) -> dict | 
     return iface.to_json()
 
 
+#: file in a staging folder naming the process that writes it (a folder whose process is gone is stale)
+STAGING_OWNER = ".owner-pid"
+
+
+def remove_stale_staging(out_dir: Path) -> list[Path]:
+    """Remove the staging folders (``.<out name>-*`` beside ``out_dir``) of ``apply`` runs whose process no
+    longer exists (killed with SIGKILL, or a machine that went down); returns them. Folders of live runs and
+    folders without an owner file are left alone."""
+    removed = []
+    for d in out_dir.parent.glob(f".{out_dir.name}-*"):
+        owner = d / STAGING_OWNER
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            continue
+        if not _process_exists(pid):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def apply(
     model_path: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -133,7 +164,9 @@ def apply(
     out_dir = Path(out_dir)
     check_output_folder(out_dir, Path(model_path))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    (tmp / STAGING_OWNER).write_text(str(os.getpid()))
     try:
         manifest = Manifest(
             backend=backend,
@@ -152,10 +185,12 @@ def apply(
             # a failed compile is debugged from its MLIR and log: keep them beside the requested folder
             kept = out_dir.parent / f"{out_dir.name}.failed"
             shutil.rmtree(kept, ignore_errors=True)
+            (tmp / STAGING_OWNER).unlink(missing_ok=True)
             tmp.rename(kept)
             raise BackendError(str(e).replace(str(tmp), str(kept)) + f" (model, MLIR and log kept in {kept})") from e
         manifest.decoder = _decoder_json(iface, manifest)
         manifest.write(tmp)
+        (tmp / STAGING_OWNER).unlink()
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,110 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
     assert not out.exists()
     assert not any(p.name.startswith(".out-") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["apply", "explain"])
+def test_file_option_in_a_missing_folder_is_refused_before_any_work(tmp_path, command):
+    model = small_model(tmp_path / "m.onnx")
+    out = tmp_path / "out"
+    extra = ["-o", out, "--report"] if command == "apply" else ["--json"]
+    r = rewrite(command, model, "--plugins", "cast", *extra, tmp_path / "nodir" / "r.json")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines == [f"error: {'--report' if command == 'apply' else '--json'} {tmp_path / 'nodir' / 'r.json'}: folder "
+                     f"'{tmp_path / 'nodir'}' does not exist (see 'rewrite {command} --help')"], r.stderr
+    assert not out.exists()
+
+
+def _unsupported_on_iree(kind: str) -> onnx.ModelProto:
+    """One node IREE 3.13 cannot compile, without a name, after a named Relu: a TopK with sorted=0, or a
+    ReduceSum whose axes are a graph input."""
+    relu = helper.make_node("Relu", ["x"], ["r"], name="relu")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    if kind == "topk-unsorted":
+        g = helper.make_graph([relu, helper.make_node("TopK", ["r", "k"], ["v", "i"], sorted=0)], "g", [x],
+                              [helper.make_tensor_value_info("v", TensorProto.FLOAT, [2, 3]), helper.make_tensor_value_info("i", TensorProto.INT64, [2, 3])],
+                              [numpy_helper.from_array(np.array([3], np.int64), "k")])
+    else:
+        g = helper.make_graph([relu, helper.make_node("ReduceSum", ["r", "axes"], ["s"], keepdims=1)], "g",
+                              [x, helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("s", TensorProto.FLOAT, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("topk-unsorted", "node '<unnamed #1>' (TopK): TopK with sorted=0 is not supported by IREE's ONNX import"),
+    ("reduce-runtime-axes", "node '<unnamed #1>' (ReduceSum): axes 'axes' are known only at run time"),
+])
+def test_node_iree_cannot_compile_is_refused_before_compiling_naming_the_unnamed_node(tmp_path, kind, message):
+    """IREE 3.13's own errors for these name an internal torch op, not the ONNX node; the node has no name, so
+    the message gives its position in the graph."""
+    model = tmp_path / "m.onnx"
+    onnx.save(_unsupported_on_iree(kind), model)
+    out = tmp_path / "out"
+    r = rewrite("apply", model, "--backend", "iree", "-o", out)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    assert not out.exists() and not any(p.name.startswith(".out-") for p in tmp_path.iterdir())
+    assert rewrite("apply", model, "--backend", "ort", "-o", out).returncode == 0  # ONNX Runtime runs it
+
+
+def _slow_to_compile(path: Path, layers: int = 400) -> Path:
+    """A chain of ``layers`` MatMul+Tanh: a few seconds of iree-compile, long enough to be interrupted."""
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for i in range(layers):
+        inits.append(numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32) * 0.1, f"w{i}"))
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Tanh", [f"m{i}"], [f"t{i}"], name=f"tanh{i}")]
+        prev = f"t{i}"
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32])],
+                          [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [4, 32])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_sigterm_during_apply_leaves_nothing_and_ends_the_compiler(tmp_path):
+    import signal
+    import time
+
+    model = _slow_to_compile(tmp_path / "chain.onnx")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "rewrite.cli", "apply", str(model), "--backend", "iree", "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, children = time.time() + 120, []
+    while time.time() < deadline and proc.poll() is None and not children:  # wait until a child (importer, compiler) runs
+        children = _children(proc.pid)
+        time.sleep(0.02)
+    assert children and proc.poll() is None, "apply finished before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not any(p.name.startswith(".out-") for p in tmp_path.iterdir()) and not out.exists()
+    time.sleep(0.5)
+    for c in children:  # the child was killed with the run, not left writing
+        assert not os.path.exists(f"/proc/{c}") or open(f"/proc/{c}/stat").read().split()[2] == "Z"
+
+
+def test_staging_folders_of_dead_runs_are_removed_live_ones_kept(tmp_path):
+    model = small_model(tmp_path / "m.onnx")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, live, foreign = tmp_path / ".out-dead1", tmp_path / ".out-live1", tmp_path / ".out-nopid"
+    for d, pid in ((stale, dead.stdout.strip()), (live, str(os.getpid()))):
+        d.mkdir()
+        (d / ".owner-pid").write_text(pid)
+        (d / "model.onnx").write_bytes(b"x" * 1000)
+    foreign.mkdir()
+    r = rewrite("apply", model, "--plugins", "cast", "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert not stale.exists() and live.exists() and foreign.exists()
+    assert not (tmp_path / "out" / ".owner-pid").exists()
 
 
 def test_unknown_plugin_lists_available(tmp_path):

@@ -106,6 +106,69 @@ def test_lowered_equals_dequantize_matmul(tmp_path, form, dtype, k, n, bs, symme
     assert np.abs(got - want).max() <= tol * np.abs(want).max(), np.abs(got - want).max() / np.abs(want).max()
 
 
+@pytest.mark.parametrize("codes_type", [TP.UINT4, TP.INT4])
+def test_absent_zero_point_keeps_dequantize_linear_semantics(tmp_path, codes_type):
+    """DequantizeLinear without a zero point means zero point 0 for UINT4 and INT4 codes (ONNX spec); an absent
+    MatMulNBits zero point means 8. UINT4 codes therefore get explicit zero points of 0; INT4 codes are offset
+    by 8 and keep the default. A partial last block checks the padding too."""
+    k, n, bs = 80, 12, 32
+    rng = np.random.default_rng(3)
+    lo, hi = (0, 16) if codes_type == TP.UINT4 else (-8, 8)
+    codes = rng.integers(lo, hi, (k, n))
+    scales = (rng.uniform(0.5, 1.5, (-(-k // bs), n)) * 0.1).astype(np.float32)
+    inits = [helper.make_tensor("W_q", codes_type, [k, n], codes.reshape(-1).tolist()), numpy_helper.from_array(scales, "W_s")]
+    nodes = [helper.make_node("DequantizeLinear", ["W_q", "W_s"], ["W"], axis=0, block_size=bs, name="dq"),
+             helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
+    g = helper.make_graph(nodes, "nbits", [helper.make_tensor_value_info("x", TP.FLOAT, [3, k])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [3, n])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    src, lowered = tmp_path / "src.onnx", tmp_path / "nbits.onnx"
+    onnx.save(m, src)
+    graph = onnx_io.load(src)
+    infer_shapes(graph)
+    assert lower_matmul_nbits(graph) == 1
+    onnx_io.save(graph, lowered)
+    (mnb,) = [nd for nd in onnx.load(lowered).graph.node if nd.op_type == "MatMulNBits"]
+    assert (len(mnb.input) > 3 and mnb.input[3] != "") == (codes_type == TP.UINT4)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = x @ ((codes.astype(np.float32)) * np.repeat(scales, bs, axis=0)[:k])
+    got = OrtRunner(lowered, optimize="basic").run({"x": x})["y"]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    ref = OrtRunner(src, optimize="basic").run({"x": x})["y"]
+    assert np.abs(ref - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("codes_type, attrs", [(TP.INT4, dict(axis=1)), (TP.UINT8, dict(axis=1)), (TP.INT4, {})])
+def test_ort_folder_runs_qdq_matmuls_as_verified(tmp_path, codes_type, attrs):
+    """An untouched weight-only QDQ MatMul (per-channel or per-tensor: not ours to lower) is fused by ONNX
+    Runtime's own "all" level into MatMulNBits, by default with int8 activations (0.4-0.7 % off). The folder
+    records the session it runs with, and that session keeps float activations: verify passes."""
+    from rewrite.backends.base import Manifest
+    from rewrite.backends.ort import FOLDER_SESSION
+    from rewrite.verify import verify
+
+    k, n = 256, 64
+    rng = np.random.default_rng(5)
+    lo, hi = (-8, 8) if codes_type == TP.INT4 else (0, 256)
+    codes = rng.integers(lo, hi, (k, n))
+    scale = (rng.uniform(0.5, 1.5, (n,) if attrs else ()) * 0.05).astype(np.float32)
+    inits = [helper.make_tensor("W_q", codes_type, [k, n], codes.reshape(-1).tolist()), numpy_helper.from_array(scale, "W_s")]
+    nodes = [helper.make_node("DequantizeLinear", ["W_q", "W_s"], ["W"], name="dq", **attrs),
+             helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
+    g = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info("x", TP.FLOAT, [8, k])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [8, n])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    src = tmp_path / "qdq.onnx"
+    onnx.save(m, src)
+    out = tmp_path / "ort"
+    apply(src, out, plugins="cast", backend="ort")
+    assert Manifest.read(out).session == FOLDER_SESSION
+    res = verify(src, out)
+    assert all(c.ok for c in res), [c.line() for c in res]
+
+
 def test_dequantized_weight_read_twice_is_left_alone(tmp_path):
     """A DequantizeLinear whose output is also a graph output (or read by another node) stays as it is."""
     model = _model("matmul", 128, 32, TP.FLOAT, 2)

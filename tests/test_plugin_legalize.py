@@ -513,3 +513,51 @@ def test_blocked_uint4_matmul_end_to_end_iree_and_ort(tmp_path):
     apply(path, tmp_path / "ort", plugins="legalize", backend="ort")
     got_ort = load_runner(tmp_path / "ort").run(feeds)
     assert _rel(got_ort["Y"], want) < 1e-5
+
+
+def test_4bit_constant_node_values_are_widened_for_iree_and_ort(tmp_path):
+    """The same blocked UINT4 MatMul with its codes in a Constant node (not an initializer) and an INT4
+    per-axis DequantizeLinear whose zero point is another Constant: both re-encoded, so the model still loads
+    on ONNX Runtime and imports into IREE, with the numbers of the original."""
+    rng = np.random.default_rng(9)
+    k, n, bs = 80, 8, 32
+    nb = math.ceil(k / bs)
+    m = _model(
+        [helper.make_node("Constant", [], ["W"], value=_tensor("Wc", TP.UINT4, rng.integers(0, 16, (k, n))), name="codes"),
+         helper.make_node("DequantizeLinear", ["W", "S", "Z"], ["Wf"], axis=0, block_size=bs, name="dq"),
+         helper.make_node("MatMul", ["X", "Wf"], ["Y0"], name="mm"),
+         helper.make_node("Constant", [], ["Z2"], value=_tensor("zc", TP.INT4, rng.integers(-8, 8, 4)), name="zp2"),
+         helper.make_node("DequantizeLinear", ["W2", "S2", "Z2"], ["W2f"], axis=1, name="dq2"),
+         helper.make_node("MatMul", ["Y0", "W2f"], ["Y"], name="mm2")],
+        [helper.make_tensor_value_info("X", TP.FLOAT, [2, k])],
+        [helper.make_tensor_value_info("Y", TP.FLOAT, [2, 4])],
+        [numpy_helper.from_array((rng.random((nb, n)) * 0.1 + 0.01).astype(np.float32), "S"),
+         _tensor("Z", TP.UINT4, rng.integers(0, 16, (nb, n))), _tensor("W2", TP.INT4, rng.integers(-8, 8, (n, 4))),
+         numpy_helper.from_array((rng.random(4) * 0.1 + 0.01).astype(np.float32), "S2")],
+        name="qmm_const",
+    )
+    path = tmp_path / "qmm_const.onnx"
+    onnx.save(m, path)
+    feeds = {"X": rng.standard_normal((2, k)).astype(np.float32)}
+    (want,) = _ort(m, feeds, fuse=False)
+    manifest = apply(path, tmp_path / "iree", plugins="legalize", backend="iree")
+    (report,) = manifest.report
+    assert report["notes"] == ["re-encoded 2 4-bit initializers as 8-bit: Z, W2", "re-encoded 2 4-bit Constant values as 8-bit: W, Z2"]
+    assert _four_bit_left(onnx.load(tmp_path / "iree" / "model.onnx")) == []
+    assert _rel(load_runner(tmp_path / "iree").run(feeds)["Y"], want) < 1e-5
+    apply(path, tmp_path / "ort", plugins="legalize", backend="ort")
+    assert _rel(load_runner(tmp_path / "ort").run(feeds)["Y"], want) < 1e-5
+
+
+def test_4bit_tensor_in_another_attribute_is_refused_naming_the_node():
+    body = helper.make_graph([helper.make_node("Constant", [], ["c"], value=_tensor("t", TP.INT4, np.array([1, 2])))], "then",
+                             [], [helper.make_tensor_value_info("c", TP.INT4, [2])])
+    other = helper.make_graph([helper.make_node("Constant", [], ["d"], value=_tensor("u", TP.INT4, np.array([3, 4])))], "else",
+                              [], [helper.make_tensor_value_info("d", TP.INT4, [2])])
+    m = _model([helper.make_node("If", ["b"], ["y"], then_branch=body, else_branch=other, name="branch")],
+               [helper.make_tensor_value_info("b", TP.BOOL, [])], [helper.make_tensor_value_info("y", TP.INT4, [2])])
+    g = onnx_io.load(m)
+    before = onnx_io.to_model(g).SerializeToString()
+    with pytest.raises(Exception, match="node 'branch' \\(If\\): attribute '(then|else)_branch' holds a 4-bit tensor in its subgraph"):
+        run_plugin(g, Legalize())
+    assert onnx_io.to_model(g).SerializeToString() == before

@@ -42,6 +42,10 @@ class Manifest:
         decoder: the decode interface (``rewrite.core.interface.DecoderInterface.to_json``: token ids,
             positions, mask, past/present pairs with kind and shape, vocabulary size), None when the model
             is not a decoder.
+        session: ort only: the ONNX Runtime session the folder runs with (``optimize``: a level of
+            ``rewrite.backends.ort.OPT_LEVELS``; ``config``: session config entries), chosen so that the
+            runtime's own graph optimizations keep the lowered graph's meaning; ``run``, ``verify`` and
+            ``generate`` use it.
     """
 
     backend: str
@@ -58,6 +62,7 @@ class Manifest:
     dims: dict[str, int] = field(default_factory=dict)
     report: list[dict] = field(default_factory=list)
     decoder: dict | None = None
+    session: dict = field(default_factory=dict)
     format: str = MANIFEST_FORMAT
 
     def write(self, folder: Path) -> None:

@@ -16,6 +16,7 @@ from rewrite.backends.iree_patch import PatchContext, patch_module, unlowered_op
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN, registered_ops
+from rewrite.core.analysis import REDUCE_OPS, known_before_run
 from rewrite.core.feeds import specs_of
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
@@ -56,11 +57,33 @@ class IreeRunner:
         return {s["name"]: self.module(function=s["getter"])[0] for s in self.state}
 
 
+def refuse_unsupported(graph: Graph) -> None:
+    """Nodes IREE 3.13 is known not to compile, refused before importing with the node and the reason (its own
+    error names an internal torch op, not the ONNX node).
+
+    Raises:
+        BackendError: a ``TopK`` with ``sorted=0`` (iree-compile: "failed to legalize operation
+            'torch.constant.int'"); a Reduce op whose ``axes`` are known only at run time (iree-compile:
+            "failed to legalize 'torch.aten.sum.dim_IntList'").
+    """
+    for n in graph.topo_nodes():
+        if n.domain not in ("", "ai.onnx"):
+            continue
+        if n.op_type == "TopK" and n.attr("sorted", 1) == 0:
+            raise BackendError(f"node {n.describe()}: TopK with sorted=0 is not supported by IREE's ONNX import "
+                               "(iree-compile fails to legalize it); the topk plugin replaces grouped routers' "
+                               "unsorted TopKs, other TopKs need sorted=1")
+        if n.op_type in REDUCE_OPS and len(n.inputs) > 1 and n.inputs[1] and not known_before_run(graph, n.inputs[1]):
+            raise BackendError(f"node {n.describe()}: axes '{n.inputs[1]}' are known only at run time, which IREE "
+                               "cannot lower (iree-compile fails to legalize the reduction); they must be a constant")
+
+
 class IreeBackend:
     name = "iree"
     targets = ("llvm-cpu", "cuda")
 
     def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
+        refuse_unsupported(graph)
         onnx_path = folder / manifest.model
         if not graph.name:  # the importer names the entry function after the graph and rejects ""
             graph.name = "main_graph"

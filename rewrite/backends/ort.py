@@ -22,25 +22,37 @@ from rewrite.core.ir import Graph
 from rewrite.errors import BackendError, RewriteError
 
 
-#: ORT graph optimization levels by name. "basic" keeps the graph's exact semantics; "all" may fuse a blocked
-#: 4-bit DequantizeLinear->MatMul into MatMulNBits with accuracy_level 4, which quantizes activations to int8
-#: (0.4-0.8 % relative error), so references for verification use "basic".
+#: ORT graph optimization levels by name. "basic" keeps the graph's exact semantics; "all" fuses weight-only
+#: QDQ MatMuls (per-tensor, per-channel and blocked 4- and 8-bit DequantizeLinear->MatMul) into MatMulNBits
+#: with the accuracy level of the session config entry ``session.qdq_matmulnbits_accuracy_level``, by default
+#: 4, which quantizes activations to int8 (0.4-0.8 % relative error). References for verification use "basic".
 OPT_LEVELS = {
     "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 
+#: the session an ``ort`` output folder runs with (recorded in its manifest): every optimization, with the
+#: MatMulNBits that ORT fuses from QDQ MatMuls keeping float activations (accuracy level 0), so the folder
+#: computes what ``verify`` checked (measured: 0.4-0.7 % relative error at the default level 4, 0 at level 0)
+FOLDER_SESSION = {"optimize": "all", "config": {"session.qdq_matmulnbits_accuracy_level": "0"}}
 
-def ort_session(model_path: str | Path, *, threads: int = 0, optimize: str = "all") -> ort.InferenceSession:
-    """A CPU InferenceSession at optimization level ``optimize`` (see :data:`OPT_LEVELS`).
 
-    Raises BackendError with ORT's first message line on failure."""
+def ort_session(model_path: str | Path, *, threads: int = 0, optimize: str = "all",
+                config: dict[str, str] | None = None) -> ort.InferenceSession:
+    """A CPU InferenceSession at optimization level ``optimize`` (see :data:`OPT_LEVELS`) with session config
+    entries ``config`` (ORT's ``SessionOptions.add_session_config_entry``).
+
+    Raises BackendError with ORT's first message line on failure, or naming an unknown level."""
+    if optimize not in OPT_LEVELS:
+        raise BackendError(f"{model_path}: ONNX Runtime optimization level {optimize!r}, expected one of {', '.join(OPT_LEVELS)}")
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
     so.graph_optimization_level = OPT_LEVELS[optimize]
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, str(value))
     try:
         return ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
@@ -51,9 +63,9 @@ class OrtRunner:
     """Runs an ONNX file on the ONNX Runtime CPU execution provider."""
 
     def __init__(self, model_path: Path, *, threads: int = 0, optimize: str = "all",
-                 decoder: DecoderInterface | None = None):
+                 decoder: DecoderInterface | None = None, config: dict[str, str] | None = None):
         self.path = model_path
-        self.session = ort_session(model_path, threads=threads, optimize=optimize)
+        self.session = ort_session(model_path, threads=threads, optimize=optimize, config=config)
         self.decoder = decoder
         graph = onnx_io.read_model(model_path).graph
         initialized = {t.name for t in graph.initializer}
@@ -106,7 +118,11 @@ class OrtBackend:
         model = onnx_io.to_model(graph)
         manifest.inputs = [s.to_json() for s in specs_of(model.graph.input) if s.name not in graph.initializers]
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
-        ort_session(path)  # fail at apply time, not at run time, if ORT cannot load the result
+        manifest.session = {"optimize": FOLDER_SESSION["optimize"], "config": dict(FOLDER_SESSION["config"])}
+        ort_session(path, **manifest.session)  # fail at apply time, not at run time, if ORT cannot load the result
 
     def load(self, folder: Path, manifest: Manifest) -> OrtRunner:
-        return OrtRunner(folder / manifest.model, decoder=manifest.decoder_interface)
+        """The folder's model in the session its manifest records (:data:`FOLDER_SESSION` when it records none)."""
+        session = manifest.session or FOLDER_SESSION
+        return OrtRunner(folder / manifest.model, decoder=manifest.decoder_interface, optimize=session.get("optimize", "all"),
+                         config=session.get("config"))

@@ -12,7 +12,8 @@ the packed weight. Layout (that schema; ``onnxruntime/quantization/matmul_nbits_
   that block's zero point, so the padding dequantizes to 0;
 * ``scales``: ``[N, n_blocks]`` in A's dtype;
 * ``zero_points``: uint8 ``[N, ceil(n_blocks / 2)]`` packed like B (each row padded on its own); INT4 codes
-  (quant4 ``symmetric``) are stored as ``code + 8`` with no zero points: MatMulNBits' default is 8;
+  (quant4 ``symmetric``) are stored as ``code + 8`` with no zero points: MatMulNBits' default is 8; UINT4
+  codes without zero points (ONNX's default zero point is 0) get explicit zero points of 0;
 * a block larger than ``ORT_MAX_BLOCK`` (64: faster on ORT 1.32's CPU kernel, see
   :mod:`rewrite.plugins.moe_lowering`) is split into blocks of 64 that share its scale and zero point (exact);
 * attributes ``K``, ``N``, ``bits=4``, ``block_size``, ``accuracy_level=0``: A is neither quantized nor
@@ -113,6 +114,8 @@ def _pack(graph: Graph, p: _Pair) -> tuple[np.ndarray, np.ndarray, np.ndarray | 
     codes = graph.const(x).astype(np.int16) + offset
     scales = graph.const(scale)
     zps = graph.const(zp).astype(np.int16) + offset if zp else None
+    if zps is None and offset == 0:  # an absent UINT4 zero point is 0 (ONNX DequantizeLinear); MatMulNBits' is 8
+        zps = np.zeros(scales.shape, np.int16)
     if not p.nk:  # [K, N] -> [N, K]: MatMulNBits blocks each output column's K values
         codes, scales = codes.T, scales.T
         zps = None if zps is None else zps.T

@@ -168,8 +168,15 @@ class Node:
                 return p.value
         return None
 
+    @property
+    def display_name(self) -> str:
+        """The node's name; for a node without one ``<unnamed #i>``, i its position in the source graph's node
+        list (stable across runs on the same model)."""
+        return self.name or f"<unnamed #{int(self.order)}>"
+
     def describe(self) -> str:
-        return f"'{self.name or '<unnamed>'}' ({self.domain + '::' if self.domain else ''}{self.op_type})"
+        """``'name' (domain::OpType)`` with :attr:`display_name`."""
+        return f"'{self.display_name}' ({self.domain + '::' if self.domain else ''}{self.op_type})"
 
 
 def _copy_proto(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -569,12 +576,17 @@ class Graph:
         return v
 
     def remove_unused_initializers(self) -> int:
-        """Drop initializers nothing reads; returns how many went."""
-        dead = [i for i in self.initializers if not self.uses(i) and i not in self.inputs]
-        for i in dead:
-            self.initializers.remove(i)
-            del self.values[i]
-            del self.producer[i]
+        """Drop initializers nothing reads; returns how many went. Linear in the number of initializers and of
+        their uses (one pass over the SOURCE pseudo node's edges, not one per initializer)."""
+        read = {d["value"] for keyed in self.nx._succ[SOURCE].values() for d in keyed.values()}
+        inputs = set(self.inputs)
+        dead = [i for i in self.initializers if i not in read and i not in inputs]
+        if dead:
+            gone = set(dead)
+            self.initializers[:] = [i for i in self.initializers if i not in gone]
+            for i in dead:
+                del self.values[i]
+                del self.producer[i]
         return len(dead)
 
     def replace_node(self, node: Node, outputs: Sequence[str]) -> None:

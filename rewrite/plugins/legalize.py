@@ -7,9 +7,11 @@ What it rewrites, each measured against iree-base-compiler 3.13 on the example m
   ``expand`` repeats each block's parameter ``block_size`` times along ``axis`` (Unsqueeze, Tile, Reshape)
   and drops the padding of a partial last block with a Slice. ONNX spec, DequantizeLinear-21:
   ``y = (x - x_zero_point) * x_scale`` with ``x_scale`` indexed by ``i // block_size`` along ``axis``.
-* **4-bit initializers** (INT4/UINT4): the importer cannot read them at all ("Unhandled ONNX TensorProto
-  data"). Re-encoded as INT8/UINT8 holding the same values; the types of values computed from them
-  (Gather, Reshape, ...) are cleared for shape inference to redo.
+* **4-bit initializers and Constant values** (INT4/UINT4): the importer cannot read them at all ("Unhandled
+  ONNX TensorProto data"). Re-encoded as INT8/UINT8 holding the same values (initializers, and the ``value`` of
+  ``Constant`` / ``ConstantOfShape`` nodes); the types of values computed from them (Gather, Reshape, ...)
+  are cleared for shape inference to redo. 4-bit sparse initializers and 4-bit tensors in other attributes
+  are refused with an error naming them.
 * **Casts to a 4-bit type of values that provably fit it** (the seed form stores expert codes as uint8,
   Gathers them, then Casts to UINT4 because Gather does not take 4-bit data): ``Cast(Cast(x, to=UINT4), to=T)``
   becomes ``Cast(x, to=T)`` when every element of ``x`` is proven to lie in the 4-bit range (it comes from
@@ -26,16 +28,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from rewrite.core.analysis import value_range
+from rewrite.core.analysis import REDUCE_OPS, known_before_run, value_range
 from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.pattern import AttrVar, Var
 from rewrite.core.rules import _FLOAT_FORMATS, _INT_RANGES, rule
+from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
 
-REDUCE_OPS = (
-    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd",
-    "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
-)
 _WIDEN_4BIT = {TensorProto.INT4: (TensorProto.INT8, np.int8), TensorProto.UINT4: (TensorProto.UINT8, np.uint8)}
 
 
@@ -136,59 +135,81 @@ def _(m, b):
 
 
 def widen_4bit_initializers(graph: Graph) -> list[str]:
-    """Re-encode INT4/UINT4 initializers as INT8/UINT8 with the same values; returns their names.
+    """Re-encode every 4-bit tensor the importer would meet as INT8/UINT8 with the same values: INT4/UINT4
+    initializers and the ``value`` tensors of ``Constant`` and ``ConstantOfShape`` nodes; returns the names
+    of the values re-encoded.
 
     Types of values computed from them through non-Cast, non-DequantizeLinear ops are cleared (their
     element type changes from 4 to 8 bits), for shape inference to recompute.
+
+    Raises:
+        RewriteError: a 4-bit sparse initializer, or a 4-bit tensor in another attribute (a subgraph's or
+            an op's own), which this does not re-encode (named, with its node).
     """
+    for sp in graph.passthrough.sparse_initializer:
+        if sp.values.data_type in _WIDEN_4BIT:
+            raise RewriteError(f"sparse initializer '{sp.values.name}' is {dtype_name(sp.values.data_type)}: "
+                               "4-bit sparse tensors are not re-encoded; store it dense")
+    constants = []  # every refusal before the first change
+    for node in graph.topo_nodes():
+        for attr in node.attrs.values():
+            tensors = [attr.t] if attr.type == onnx.AttributeProto.TENSOR else list(attr.tensors)
+            if any(_holds_4bit(sub) for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs))):
+                raise RewriteError(f"node {node.describe()}: attribute '{attr.name}' holds a 4-bit tensor in its subgraph, which is not re-encoded")
+            if not any(t.data_type in _WIDEN_4BIT for t in tensors):
+                continue
+            if node.op_type not in ("Constant", "ConstantOfShape") or attr.name != "value" or node.domain not in ("", "ai.onnx"):
+                raise RewriteError(f"node {node.describe()}: attribute '{attr.name}' holds a 4-bit tensor, which is not re-encoded")
+            constants.append(node)
     done = []
     for name in list(graph.initializers):
         v = graph.values[name]
         if v.dtype not in _WIDEN_4BIT:
             continue
-        dt8, np8 = _WIDEN_4BIT[v.dtype]
-        data = v.const().astype(np8)
+        data = v.const().astype(_WIDEN_4BIT[v.dtype][1])
         t = onnx.numpy_helper.from_array(data, name)
         v.initializer = t
         v._const_cache = data
-        v.set_type(dt8, tuple(t.dims))
+        v.set_type(t.data_type, tuple(t.dims))
         done.append(name)
-        stack = [name]
-        while stack:  # clear stale 4-bit types downstream until a Cast or a DequantizeLinear
-            for c in graph.consumers(stack.pop()):
-                if c.op_type in ("Cast", "DequantizeLinear"):
-                    continue
-                for o in c.outputs:
-                    if o and graph.values[o].dtype in _WIDEN_4BIT:
-                        graph.values[o].set_type(None, None)
-                        stack.append(o)
+        _clear_4bit_types_below(graph, name)
+    for node in constants:
+        t = node.attrs["value"].t
+        data = onnx.numpy_helper.to_array(t).astype(_WIDEN_4BIT[t.data_type][1])
+        wide = onnx.numpy_helper.from_array(data, t.name)
+        node.attrs = {**node.attrs, "value": onnx.helper.make_attribute("value", wide)}  # a new dict: snapshots keep theirs
+        out = graph.values[node.outputs[0]]
+        out.set_type(wide.data_type, tuple(wide.dims) if node.op_type == "Constant" else out.shape)
+        out._const_cache = None  # graph.const() reads the new attribute
+        done.append(node.outputs[0])
+        _clear_4bit_types_below(graph, node.outputs[0])
     return done
 
 
-_NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
+def _holds_4bit(g: onnx.GraphProto) -> bool:
+    """A 4-bit initializer or attribute tensor anywhere in ``g``, its nested subgraphs included."""
+    if any(t.data_type in _WIDEN_4BIT for t in g.initializer):
+        return True
+    for n in g.node:
+        for a in n.attribute:
+            if any(t.data_type in _WIDEN_4BIT for t in ([a.t] if a.HasField("t") else []) + list(a.tensors)):
+                return True
+            if any(_holds_4bit(sub) for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs)):
+                return True
+    return False
 
 
-def _known_before_run(graph: Graph, value: str, _depth: int = 0, _memo: dict | None = None) -> bool:
-    """Whether ``value`` is a constant or folds to one: computed by default-domain ops from constants only
-    (``Shape``/``Size`` of a value of static shape count as constants). Measured with importer 3.13: such
-    Reduce axes lower (Concat or Neg of constants, Size of a static Shape); a graph input, or a Concat or
-    Unsqueeze of one, fails in iree-compile."""
-    memo = {} if _memo is None else _memo
-    if value in memo:
-        return memo[value]
-    if graph.const(value) is not None:
-        known = True
-    else:
-        n = graph.producer_node(value)
-        if n is None or n.domain not in ("", "ai.onnx") or n.op_type in _NONDETERMINISTIC or n.has_subgraphs() or _depth > 64:
-            known = False
-        elif n.op_type in ("Shape", "Size"):
-            shape = graph.values[n.inputs[0]].shape
-            known = shape is not None and all(isinstance(d, int) for d in shape)
-        else:
-            known = all(_known_before_run(graph, i, _depth + 1, memo) for i in n.inputs if i)
-    memo[value] = known
-    return known
+def _clear_4bit_types_below(graph: Graph, value: str) -> None:
+    """Clear the stale 4-bit types downstream of ``value`` until a Cast or a DequantizeLinear."""
+    stack = [value]
+    while stack:
+        for c in graph.consumers(stack.pop()):
+            if c.op_type in ("Cast", "DequantizeLinear"):
+                continue
+            for o in c.outputs:
+                if o and graph.values[o].dtype in _WIDEN_4BIT:
+                    graph.values[o].set_type(None, None)
+                    stack.append(o)
 
 
 class Legalize(Plugin):
@@ -259,11 +280,13 @@ class Legalize(Plugin):
         if dry_run:
             return
         widened = widen_4bit_initializers(graph)
-        if widened:
-            report.notes.append(f"re-encoded {len(widened)} 4-bit initializers as 8-bit: {', '.join(widened[:8])}{' ...' if len(widened) > 8 else ''}")
+        for kind, names in (("initializers", [w for w in widened if w in graph.initializers]),
+                            ("Constant values", [w for w in widened if w not in graph.initializers])):
+            if names:
+                report.notes.append(f"re-encoded {len(names)} 4-bit {kind} as 8-bit: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
         runtime_axes = [
-            n.name for t in REDUCE_OPS for n in graph.nodes_by_op(t)
-            if len(n.inputs) > 1 and n.inputs[1] and not _known_before_run(graph, n.inputs[1])
+            n.display_name for t in REDUCE_OPS for n in graph.nodes_by_op(t)
+            if len(n.inputs) > 1 and n.inputs[1] and not known_before_run(graph, n.inputs[1])
         ]
         if runtime_axes:
             report.notes.append(
