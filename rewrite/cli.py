@@ -233,6 +233,7 @@ def verify_cmd(model, folder, inputs_path, rtol, seed, locate) -> None:
     from rewrite import verify as v
 
     feeds = _load_feeds(inputs_path)
+    click.echo(v.describe_comparison(model, folder))
     res = v.verify(model, folder, feeds=feeds, rtol=rtol, seed=seed)
     for c in res:
         click.echo(c.line())

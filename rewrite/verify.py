@@ -28,6 +28,7 @@ from rewrite.core.feeds import make_feeds
 from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.shapes import infer_shapes
 from rewrite.errors import RewriteError
+from rewrite.plugins.manager import available_plugins
 
 REL_TOL = {onnx.TensorProto.FLOAT: 1e-4, onnx.TensorProto.DOUBLE: 1e-7, onnx.TensorProto.FLOAT16: 1e-2, onnx.TensorProto.BFLOAT16: 1e-2}
 
@@ -112,6 +113,26 @@ def default_feeds(folder: Path, *, seed: int = 0) -> dict[str, np.ndarray]:
     """Feeds for the lowered function's inputs (static after ``--dim`` overrides), see :mod:`rewrite.core.feeds`."""
     m = Manifest.read(folder)
     return make_feeds(m.input_specs, m.dims, seed=seed)
+
+
+def describe_comparison(model_path: str | Path, folder: str | Path) -> str:
+    """One line saying what ``verify`` compares: the folder as its manifest says it runs (backend, target, the
+    ONNX Runtime session of an ``ort`` folder, the plugins applied and which of them change outputs by design)
+    against ``model_path`` on ONNX Runtime CPU at the basic level.
+
+    Raises:
+        BackendError: ``folder`` holds no readable manifest.
+    """
+    m = Manifest.read(Path(folder))
+    how = f"{m.backend}/{m.target}"
+    if m.session:
+        cfg = "".join(f", {k}={v}" for k, v in sorted(m.session.get("config", {}).items()))
+        how += f", ONNX Runtime session level {m.session.get('optimize')}{cfg}"
+    plugins = available_plugins()
+    lossy = [p for p in m.plugins if p in plugins and plugins[p].lossy]
+    used = ", ".join(m.plugins) or "none"
+    note = f" ({', '.join(lossy)} change outputs by design: compare with the model they produced)" if lossy else ""
+    return f"verify: {folder} ({how}; plugins: {used}{note}) against {model_path} on ONNX Runtime CPU, basic level"
 
 
 def verify(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.ndarray] | None = None,

@@ -56,6 +56,9 @@ def test_apply_run_verify_ort(tmp_path):
     assert ops == ["Add"]
     r = rewrite("verify", model, out)
     assert r.returncode == 0 and "verify: PASS" in r.stdout, r.stdout + r.stderr
+    assert r.stdout.splitlines()[0] == (f"verify: {out} (ort/cpu, ONNX Runtime session level all, "
+                                        "session.qdq_matmulnbits_accuracy_level=0; plugins: cast) against "
+                                        f"{model} on ONNX Runtime CPU, basic level")
     np.savez(tmp_path / "in.npz", x=np.full((3, 4), 2, np.float16))
     r = rewrite("run", out, "--inputs", tmp_path / "in.npz", "--save", tmp_path / "o.npz")
     assert r.returncode == 0, r.stderr
@@ -212,6 +215,21 @@ def test_staging_folders_of_dead_runs_are_removed_live_ones_kept(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not stale.exists() and live.exists() and foreign.exists()
     assert not (tmp_path / "out" / ".owner-pid").exists()
+
+
+def test_verify_says_when_a_plugin_changes_outputs_by_design(tmp_path):
+    rng = np.random.default_rng(0)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"), helper.make_node("Relu", ["m"], ["y"], name="relu")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])],
+                          [numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32), "W")])
+    model = tmp_path / "mm.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), model)
+    out = tmp_path / "q4"
+    r = rewrite("apply", model, "--plugins", "quant4", "--opt", "quant4.min_elements=0", "-o", out)
+    assert r.returncode == 0, r.stderr
+    r = rewrite("verify", out / "model.onnx", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "plugins: quant4 (quant4 change outputs by design: compare with the model they produced)" in r.stdout.splitlines()[0]
 
 
 def test_unknown_plugin_lists_available(tmp_path):

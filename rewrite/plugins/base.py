@@ -39,6 +39,7 @@ class Plugin:
         kernels: kernel objects the plugin ships.
         runs_before, runs_after: short names of plugins this one must run before / after when both are
             selected; ``--plugins`` in any order then gives the same result (`rewrite.plugins.manager.select_plugins`).
+        lossy: the plugin changes outputs by design (``quant4``); ``verify`` says so when a folder used it.
     """
 
     name: ClassVar[str] = ""
@@ -49,6 +50,7 @@ class Plugin:
     kernels: ClassVar[Sequence[KernelObject]] = ()
     runs_before: ClassVar[tuple[str, ...]] = ()
     runs_after: ClassVar[tuple[str, ...]] = ()
+    lossy: ClassVar[bool] = False
 
     @property
     def rules(self) -> list[Rule]:

@@ -389,6 +389,7 @@ class Quant4(Plugin):
     short = "quant4"
     # topk and moe recognize the expert stacks quant4 makes, not the reverse; legalize decomposes what it makes
     runs_before = ("topk", "moe", "legalize")
+    lossy = True  # rounds weights to 4 bits: verify a quant4 folder against the quantized model
     description = "Block-wise INT4 weight-only quantization of MatMul weights and gathered expert stacks (seed INT4 form)"
     opset_range = (18, 28)
 

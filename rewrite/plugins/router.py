@@ -203,11 +203,11 @@ class MoERouterTopK(AbstractOp):
 
     def lower_ort(self, graph: Graph, node: Node) -> None:
         """Standard ONNX: Cast to f32, Softmax/TopK in the op's order, [ReduceSum, Div], Cast to the weights type;
-        mode ``topk`` is the TopK it replaced."""
+        mode ``topk`` without renormalization is the TopK it replaced; grouped mode: see ``_grouped_onnx``."""
         k, normalize, mode = _attrs_of(node)
         b = Builder(graph, "lower/MoERouterTopK", node.order, node.name or "router")
         x = node.inputs[0]
-        if mode == "topk":
+        if mode == "topk" and not normalize:
             v, idx = b.op("TopK", [x, b.const([k], "k", np.int64)], outputs=2, axis=-1, largest=1, sorted=1)
             graph.replace_node(node, [v, idx])
             return
@@ -219,6 +219,8 @@ class MoERouterTopK(AbstractOp):
         kk = b.const([k], "k", np.int64)
         if mode == "softmax_topk":
             w, idx = b.op("TopK", [b.op("Softmax", [x], axis=-1), kk], outputs=2, axis=-1, largest=1, sorted=1)
+        elif mode == "topk":  # renormalized plain top-k (the kernel and the reference divide by the sum too)
+            w, idx = b.op("TopK", [x, kk], outputs=2, axis=-1, largest=1, sorted=1)
         else:
             v, idx = b.op("TopK", [x, kk], outputs=2, axis=-1, largest=1, sorted=1)
             w = b.op("Softmax", [v], axis=-1)
