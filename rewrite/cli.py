@@ -83,13 +83,17 @@ def plugins_cmd() -> None:
     console.print(t)
 
 
-def _check_writable(option: str, path: str | None) -> None:
-    """A file option's folder must exist before any work starts (not fail after the output folder is written).
+def _check_writable(option: str, path: str | None, out_dir: str | None = None) -> None:
+    """A file option's folder must exist before any work starts (not fail after the output folder is written);
+    the output folder itself counts as existing (it is written before the file).
 
     Raises:
         click.UsageError: the folder is missing or is not a folder.
     """
-    if path and not Path(path).resolve().parent.is_dir():
+    if not path:
+        return
+    parent = Path(path).resolve().parent
+    if not parent.is_dir() and not (out_dir and parent == Path(out_dir).resolve()):
         raise click.UsageError(f"{option} {path}: folder '{Path(path).parent}' does not exist")
 
 
@@ -128,7 +132,7 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
 
     expected = parse_expect(expect)
     options = _parse_opts(opts)
-    _check_writable("--report", report_path)
+    _check_writable("--report", report_path, None if dry_run else out_dir)
     if max_seq is not None:
         options.setdefault("kv", {})["max_seq"] = max_seq
     if stateful:
@@ -255,7 +259,8 @@ def main() -> None:
     """Console-script entry point: turns RewriteError into ``error: ...`` and exit status 2; SIGTERM and SIGHUP
     end the run like Ctrl-C does (nothing half-written left behind, child processes ended), exit 128 + signal."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit_on_signal)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
+            signal.signal(sig, _exit_on_signal)
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

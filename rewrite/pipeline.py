@@ -6,8 +6,10 @@ moved into place at the end.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,22 +106,28 @@ def _decoder_json(iface: DecoderInterface | None, manifest: Manifest) -> dict | 
     return iface.to_json()
 
 
-#: file in a staging folder naming the process that writes it (a folder whose process is gone is stale)
+#: file in a staging folder naming the host and process that write it ("<host> <pid>"; a folder whose process
+#: is gone from this host is stale)
 STAGING_OWNER = ".owner-pid"
 
 
+def _owner() -> str:
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
 def remove_stale_staging(out_dir: Path) -> list[Path]:
-    """Remove the staging folders (``.<out name>-*`` beside ``out_dir``) of ``apply`` runs whose process no
-    longer exists (killed with SIGKILL, or a machine that went down); returns them. Folders of live runs and
-    folders without an owner file are left alone."""
+    """Remove the staging folders (``.<out name>-*`` beside ``out_dir``) of ``apply`` runs of this host whose
+    process no longer exists (killed with SIGKILL, or a machine that went down); returns them. Folders of live
+    runs, of other hosts (a shared file system) and folders without an owner file are left alone."""
     removed = []
-    for d in out_dir.parent.glob(f".{out_dir.name}-*"):
-        owner = d / STAGING_OWNER
+    host = socket.gethostname()
+    for d in out_dir.parent.glob(f".{glob.escape(out_dir.name)}-*"):
         try:
-            pid = int(owner.read_text())
+            their_host, pid = (d / STAGING_OWNER).read_text().rsplit(" ", 1)
+            pid = int(pid)
         except (OSError, ValueError):
             continue
-        if not _process_exists(pid):
+        if their_host == host and not _process_exists(pid):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
@@ -166,7 +174,7 @@ def apply(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    (tmp / STAGING_OWNER).write_text(str(os.getpid()))
+    (tmp / STAGING_OWNER).write_text(_owner())
     try:
         manifest = Manifest(
             backend=backend,

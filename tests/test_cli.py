@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,13 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, case):
     assert not any(p.name.startswith(".out-") for p in tmp_path.iterdir())
 
 
+def test_report_inside_the_output_folder_is_written(tmp_path):
+    out = tmp_path / "out"
+    r = rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "cast", "-o", out, "--report", out / "report.json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "report.json").read_text())[0]["plugin"] == "cast"
+
+
 @pytest.mark.parametrize("command", ["apply", "explain"])
 def test_file_option_in_a_missing_folder_is_refused_before_any_work(tmp_path, command):
     model = small_model(tmp_path / "m.onnx")
@@ -206,14 +214,17 @@ def test_staging_folders_of_dead_runs_are_removed_live_ones_kept(tmp_path):
     model = small_model(tmp_path / "m.onnx")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale, live, foreign = tmp_path / ".out-dead1", tmp_path / ".out-live1", tmp_path / ".out-nopid"
-    for d, pid in ((stale, dead.stdout.strip()), (live, str(os.getpid()))):
+    other_host = tmp_path / ".out-otherhost1"
+    host = socket.gethostname()
+    for d, owner in ((stale, f"{host} {dead.stdout.strip()}"), (live, f"{host} {os.getpid()}"),
+                     (other_host, f"not-{host} {dead.stdout.strip()}")):
         d.mkdir()
-        (d / ".owner-pid").write_text(pid)
+        (d / ".owner-pid").write_text(owner)
         (d / "model.onnx").write_bytes(b"x" * 1000)
     foreign.mkdir()
     r = rewrite("apply", model, "--plugins", "cast", "-o", tmp_path / "out")
     assert r.returncode == 0, r.stderr
-    assert not stale.exists() and live.exists() and foreign.exists()
+    assert not stale.exists() and live.exists() and foreign.exists() and other_host.exists()
     assert not (tmp_path / "out" / ".owner-pid").exists()
 
 

@@ -561,3 +561,16 @@ def test_4bit_tensor_in_another_attribute_is_refused_naming_the_node():
     with pytest.raises(Exception, match="node 'branch' \\(If\\): attribute '(then|else)_branch' holds a 4-bit tensor in its subgraph"):
         run_plugin(g, Legalize())
     assert onnx_io.to_model(g).SerializeToString() == before
+
+
+def test_4bit_sparse_constant_is_refused_naming_the_node():
+    values = _tensor("sv", TP.INT4, np.array([1, -2]))
+    sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0, 3], np.int64), "si"), [4])
+    m = _model([helper.make_node("Constant", [], ["c"], sparse_value=sparse, name="sparse_codes"),
+                helper.make_node("Cast", ["c"], ["y"], to=TP.INT8, name="cast")],
+               [], [helper.make_tensor_value_info("y", TP.INT8, [4])])
+    g = onnx_io.load(m)
+    before = onnx_io.to_model(g).SerializeToString()
+    with pytest.raises(Exception, match="node 'sparse_codes' \\(Constant\\): attribute 'sparse_value' holds a 4-bit sparse tensor"):
+        run_plugin(g, Legalize())
+    assert onnx_io.to_model(g).SerializeToString() == before

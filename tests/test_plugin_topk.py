@@ -259,3 +259,33 @@ def test_qwen3_moe_renormalized_router_on_iree_decodes_like_ort(qwen3_moe_tiny, 
     x = np.concatenate([np.ravel(v) for v in logits]).astype(np.float64)
     y = np.concatenate([np.ravel(v) for v in ref_logits]).astype(np.float64)
     assert np.abs(x - y).max() / np.abs(y).max() < 1e-4
+
+
+@pytest.mark.parametrize("e, n_group, topk_group, k, tokens", [
+    (4, 2, 1, 1, "T"), (8, 4, 3, 1, "T"), (16, 8, 6, 2, "T"),  # few groups dropped: most tokens route alike without them
+    (12, 6, 3, 3, 1), (16, 4, 3, 4, 1), (16, 8, 4, 2, 1),  # an export fixed to one token
+])
+def test_grouped_router_reading_keeps_the_group_limit(e, n_group, topk_group, k, tokens):
+    """Readings that ignore the group limit agree with the true one on most tokens; the check must still take
+    the graph's own groups, so that the fused router routes every token as the original does."""
+    from rewrite.plugins.router import _grouped_router_model
+
+    model = _grouped_router_model(e=e, n_group=n_group, topk_group=topk_group, k=k, tokens=tokens)
+    g = onnx_io.load(model)
+    infer_shapes(g)
+    rep = run_plugin(g, PLUGIN)
+    assert rep.rule("grouped-router").matches == 1
+    (op,) = [n for n in g.nodes.values() if n.op_type == "MoERouterTopK"]
+    assert (op.attr("n_group"), op.attr("topk_group")) == (n_group, topk_group)
+    lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK()})
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    original, fused = (ort.InferenceSession(mp.SerializeToString(), so, providers=["CPUExecutionProvider"])
+                       for mp in (model, onnx_io.to_model(g)))
+    x = (np.random.default_rng(7).standard_normal((2000, e)) * 3).astype(np.float32)
+    batches = [x[i:i + 1] for i in range(len(x))] if isinstance(tokens, int) else [x]
+    for xb in batches:
+        want, got = (sess.run(["indices"], {"logits": xb})[0] for sess in (original, fused))
+        np.testing.assert_array_equal(np.sort(want, -1), np.sort(got, -1))

@@ -154,6 +154,9 @@ def widen_4bit_initializers(graph: Graph) -> list[str]:
     for node in graph.topo_nodes():
         for attr in node.attrs.values():
             tensors = [attr.t] if attr.type == onnx.AttributeProto.TENSOR else list(attr.tensors)
+            sparse = ([attr.sparse_tensor] if attr.type == onnx.AttributeProto.SPARSE_TENSOR else []) + list(attr.sparse_tensors)
+            if any(sp.values.data_type in _WIDEN_4BIT for sp in sparse):
+                raise RewriteError(f"node {node.describe()}: attribute '{attr.name}' holds a 4-bit sparse tensor, which is not re-encoded; store it dense")
             if any(_holds_4bit(sub) for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs))):
                 raise RewriteError(f"node {node.describe()}: attribute '{attr.name}' holds a 4-bit tensor in its subgraph, which is not re-encoded")
             if not any(t.data_type in _WIDEN_4BIT for t in tensors):
@@ -187,12 +190,14 @@ def widen_4bit_initializers(graph: Graph) -> list[str]:
 
 
 def _holds_4bit(g: onnx.GraphProto) -> bool:
-    """A 4-bit initializer or attribute tensor anywhere in ``g``, its nested subgraphs included."""
-    if any(t.data_type in _WIDEN_4BIT for t in g.initializer):
+    """A 4-bit initializer or attribute tensor, dense or sparse, anywhere in ``g``, nested subgraphs included."""
+    if any(t.data_type in _WIDEN_4BIT for t in g.initializer) or any(sp.values.data_type in _WIDEN_4BIT for sp in g.sparse_initializer):
         return True
     for n in g.node:
         for a in n.attribute:
             if any(t.data_type in _WIDEN_4BIT for t in ([a.t] if a.HasField("t") else []) + list(a.tensors)):
+                return True
+            if any(sp.values.data_type in _WIDEN_4BIT for sp in ([a.sparse_tensor] if a.HasField("sparse_tensor") else []) + list(a.sparse_tensors)):
                 return True
             if any(_holds_4bit(sub) for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs)):
                 return True

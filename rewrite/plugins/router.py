@@ -15,9 +15,12 @@ Forms matched (ONNX opset 13+, expert axis last):
   ``routed_scaling_factor``; Ernie 4.5: softmax scores, selection bias, one group, ``clamp(sum, min)``). The
   bias, scale, eps and min are read from constants, the group counts are tried from the Reshape targets and
   TopK k values of the selection; the candidate router runs alone on ONNX Runtime with random logits and the
-  first reading whose expert ids (as sets) and weights equal :func:`router_topk_reference` is taken. A
-  ``sorted=0`` final TopK is accepted when neither its ids nor the weights are graph outputs (only the sum over
-  the experts reads them, and the op's sorted order is one of the orders ``sorted=0`` allows);
+  first reading whose expert ids (as sets) and weights equal :func:`router_topk_reference` on 2,048 random
+  tokens is taken, the reading with the most groups first. A ``sorted=0`` final TopK is accepted when its
+  values are not read and neither its ids nor the weights reach a graph output (through ops that keep their
+  order): the op's sorted order is one of the orders ``sorted=0`` allows, so the rewritten model computes one
+  of the results the original may compute (and the experts' weighted sum, which reads ids and weights as pairs,
+  is the same for every order);
 * ``topk-exact`` (tried last): any other float TopK over the last axis with ``largest=1, sorted=1`` (routers
   the forms above do not cover) -> ``mode=topk``, the k largest values and their indices, so that IREE never
   runs its own TopK on them.
@@ -286,8 +289,7 @@ class MoERouterTopK(AbstractOp):
             bt = op.operand_types[1] if len(op.operand_types) > 1 else None
             if bt is None or bt.element != "f32" or bt.dims != [e]:
                 raise BackendError(f"{where}: grouped mode needs its bias as f32 [{e}], got {bt.text if bt else 'none'}")
-            if g < 1 or e % g or not 1 <= kg <= g or (g > 1 and e // g < 2) or ga["scoring"] not in SCORINGS:
-                raise BackendError(f"{where}: {g} groups of {e} experts, {kg} kept, scoring '{ga['scoring']}': not supported")
+            _validate_grouped(where, e, ga)
             entry = f"router_grouped_{xe}_{we}"
             bits = {n: int(np.array(ga[n], np.float32).view(np.uint32)) for n in ("scale", "norm_eps", "norm_min")}
             params = {"%rt_sc": SCORINGS.index(ga["scoring"]), "%rt_g": g, "%rt_kg": kg, "%rt_scale": bits["scale"],
@@ -325,11 +327,24 @@ def _grouped_args(attrs: dict, bias) -> dict:
                 norm_min=float(attrs.get("norm_min", 0.0)))
 
 
+def _validate_grouped(where: str, e, ga: dict) -> None:
+    """Grouped mode's attributes for E experts; BackendError naming the op otherwise (both lowerings)."""
+    g, kg = ga["n_group"], ga["topk_group"]
+    if not isinstance(e, int) or g < 1 or e % g or not 1 <= kg <= g or (g > 1 and e // g < 2) or ga["scoring"] not in SCORINGS:
+        raise BackendError(f"{where}: {g} groups of {e} experts, {kg} kept, scoring '{ga['scoring']}': expected groups "
+                           f"of at least 2 experts dividing E, 1 <= topk_group <= n_group, scoring in {', '.join(SCORINGS)}")
+
+
 def _grouped_onnx(graph: Graph, node: Node, b: Builder, k: int, normalize: int) -> list[str]:
-    """Grouped mode as standard ONNX (float32; the nodes transformers' exporter writes for DeepSeek-V3)."""
+    """Grouped mode as standard ONNX (float32; the nodes transformers' exporter writes for DeepSeek-V3).
+
+    Raises:
+        BackendError: invalid groups or scoring (naming the node).
+    """
     ga = _grouped_args({a: node.attr(a) for a in node.attrs}, None)
     x = node.inputs[0]
-    e = graph.values[x].shape[-1]
+    e = (graph.values[x].shape or [None])[-1]
+    _validate_grouped(f"node {node.describe()}", e, ga)
     i64 = lambda v, n: b.const(np.asarray(v, np.int64), n)  # noqa: E731
     if graph.values[x].dtype != TensorProto.FLOAT:
         x = b.op("Cast", [x], to=TensorProto.FLOAT)
@@ -539,9 +554,9 @@ def _(m):
     if cv.shape is None or len(cv.shape) != 2 or cv.shape[1] != e or cv.dtype != TensorProto.FLOAT:
         return m.fail(f"TopK input '{m['choice']}' is {cv.type_str()}; expected float32 [T, {e}]", topk)
     chain = _weights_chain(g, gather.outputs[0])
-    if m.attr("sorted") != 1 and (_reaches_output(g, topk.outputs[1]) or _reaches_output(g, chain.out)):
-        return m.fail("TopK sorted=0 and its ids or weights are graph outputs: ONNX Runtime's order is unspecified, "
-                      "the op's is sorted", topk)
+    if m.attr("sorted") != 1 and (g.uses(topk.outputs[0]) or any(_reaches_output(g, v) for v in (topk.outputs[1], chain.out))):
+        return m.fail("TopK sorted=0 whose values are read, or whose ids or weights reach a graph output: ONNX "
+                      "Runtime's order is unspecified, the op's is sorted", topk)
     s_out = scores_node.outputs[0]
     region = upstream_nodes(g, [m["choice"]], {s_out, m["logits"]} | set(g.initializers), _MAX_CHOICE_NODES)
     if region is None:
@@ -594,14 +609,19 @@ class _Chain:
     scale: float = 1.0
 
 
+#: ops that pass a tensor's elements on in the same order
+_SAME_ORDER = frozenset({"Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+
+
 def _reaches_output(g: Graph, value: str) -> bool:
-    """``value`` is a graph output, or reaches one through Identity nodes."""
-    return value in g.outputs or any(n.op_type == "Identity" and _reaches_output(g, n.outputs[0]) for n in g.consumers(value))
+    """``value`` is a graph output, or reaches one through ops that keep its elements' order."""
+    return value in g.outputs or any(n.op_type in _SAME_ORDER and _reaches_output(g, n.outputs[0]) for n in g.consumers(value))
 
 
 def _scalar(g: Graph, value: str) -> float | None:
+    """A float constant of rank 0 or shape [1] (broadcasting it keeps the other operand's shape)."""
     c = g.const(value) if value else None
-    return float(c.reshape(-1)[0]) if c is not None and c.size == 1 and c.dtype.kind == "f" else None
+    return float(c.reshape(-1)[0]) if c is not None and c.size == 1 and c.ndim <= 1 and c.dtype.kind == "f" else None
 
 
 def _weights_chain(g: Graph, w: str) -> _Chain:
@@ -656,7 +676,7 @@ def _grouped_candidates(g: Graph, region: list, e: int) -> dict | str:
             dims = t.reshape(-1).tolist()
             groups |= {int(a) for a, b in zip(dims, dims[1:]) if a > 1 and b > 1 and a * b == e}
     kept = {int(c.reshape(-1)[0]) for n in region if n.op_type == "TopK"
-            for c in [g.const(n.inputs[1])] if c is not None and c.size == 1}
+            for c in [g.const(n.inputs[1])] if c is not None and c.size == 1 and 1 <= int(c.reshape(-1)[0]) <= max(groups)}
     fills = [v for n in region if n.op_type == "Where" for v in [_scalar(g, n.inputs[1]), _scalar(g, n.inputs[2])] if v is not None]
     # a masked expert must rank below every kept one: c = score + bias > min(bias) for scores in (0, 1]
     if any(v > float(bias.min()) for v in fills):
@@ -664,12 +684,19 @@ def _grouped_candidates(g: Graph, region: list, e: int) -> dict | str:
     return {"bias": bias, "groups": sorted(groups), "kept": sorted(kept | {1})}
 
 
+#: tokens the grouped-router check draws at least: a reading that ignores the group limit (or keeps another
+#: number of groups) agrees with the true one on most tokens when few groups are dropped
+_CHECK_TOKENS = 2048
+
+
 def _check_grouped(model, logits: str, lv, k: int, scoring: str, chain: _Chain, params: dict) -> dict | str:
     """Run the candidate router ``model`` (logits -> weights, ids) on ONNX Runtime (basic level) with random
-    logits for 1, 3 and E + 1 tokens (the static count when the export fixed one) and return the grouped-mode
-    attributes of the first reading (groups, kept groups) whose weights and expert ids equal
-    :func:`router_topk_reference`'s (ids as sets: TopK ``sorted=0`` leaves their order open; weights within
-    1e-4 of the largest, float16 1e-2), or a refusal naming the closest reading."""
+    logits, at least :data:`_CHECK_TOKENS` tokens in batches of 1, 3, E + 1 and 512 (of the static count when
+    the export fixed one), and return the grouped-mode attributes of the first reading whose weights and expert
+    ids equal :func:`router_topk_reference`'s on every token (ids as sets: TopK ``sorted=0`` leaves their order
+    open; weights within 1e-4 of the largest, float16 1e-2), or a refusal naming the closest reading. Readings
+    are tried with the most groups first, so that a grouping the graph spells is preferred to the readings it
+    contains (one group, every group kept)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -681,39 +708,43 @@ def _check_grouped(model, logits: str, lv, k: int, scoring: str, chain: _Chain, 
         return f"the router does not run alone: {str(e).splitlines()[0][:160]}"
     e = lv.shape[1]
     rng = np.random.default_rng(0)
-    sizes = (1, 3, e + 1) if not isinstance(lv.shape[0], int) else (lv.shape[0],) * 3
-    draws = []
+    sizes = [1, 3, e + 1] if not isinstance(lv.shape[0], int) else [lv.shape[0]] * 3
+    while sum(sizes) < _CHECK_TOKENS:
+        sizes.append(512 if not isinstance(lv.shape[0], int) else lv.shape[0])
+    xs, ws, ids = [], [], []
     for t in sizes:
         x = (rng.standard_normal((t, e)) * 3).astype(_FLOATS[lv.dtype])
         try:
             w, i = session.run(None, {logits: x})
         except Exception as err:
             return f"the router fails on random logits: {str(err).splitlines()[0][:160]}"
-        draws.append((x, w.astype(np.float64), i.astype(np.int64)))
+        if w.shape != (t, k) or i.shape != (t, k):
+            return f"the router's weights and ids are {list(w.shape)} and {list(i.shape)} for {t} tokens, expected [{t}, {k}]"
+        xs.append(x), ws.append(w.astype(np.float64)), ids.append(i.astype(np.int64))
+    x, w, i = np.concatenate(xs), np.concatenate(ws), np.concatenate(ids)
+    order = np.argsort(i, axis=-1)
+    got_i, got_w = np.take_along_axis(i, order, -1), np.take_along_axis(w, order, -1)
     tol = 1e-4 if lv.dtype == TensorProto.FLOAT else 1e-2
     attrs = dict(normalize=chain.normalize, scoring=scoring, scale=chain.scale, norm_eps=chain.norm_eps, norm_min=chain.norm_min)
     closest = (np.inf, "")
-    for n_group in params["groups"]:
-        for topk_group in params["kept"]:
+    for n_group in sorted(params["groups"], reverse=True):
+        for topk_group in sorted(params["kept"], reverse=True):
             if topk_group > n_group or (n_group > 1 and e // n_group < 2) or (n_group == 1 and topk_group != 1):
                 continue
-            err = 0.0
-            for x, w, i in draws:
-                rw, ri = router_topk_reference(x, k, chain.normalize, "grouped", np.float32, bias=params["bias"], scoring=scoring,
-                                               n_group=n_group, topk_group=topk_group, scale=chain.scale,
-                                               norm_eps=chain.norm_eps, norm_min=chain.norm_min)
-                order, rorder = np.argsort(i, axis=-1), np.argsort(ri, axis=-1)
-                if not np.array_equal(np.take_along_axis(i, order, -1), np.take_along_axis(ri, rorder, -1)):
-                    err = np.inf
-                    break
-                ref = np.take_along_axis(rw.astype(np.float64), rorder, -1)
-                got = np.take_along_axis(w, order, -1)
-                err = max(err, float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6)))
+            rw, ri = router_topk_reference(x, k, chain.normalize, "grouped", np.float32, bias=params["bias"], scoring=scoring,
+                                           n_group=n_group, topk_group=topk_group, scale=chain.scale,
+                                           norm_eps=chain.norm_eps, norm_min=chain.norm_min)
+            rorder = np.argsort(ri, axis=-1)
+            differ = int((np.take_along_axis(ri, rorder, -1) != got_i).any(axis=-1).sum())
+            if differ:
+                closest = min(closest, (np.inf, f"{n_group} groups, {topk_group} kept: other expert ids on {differ} of {len(x)} tokens"))
+                continue
+            ref = np.take_along_axis(rw.astype(np.float64), rorder, -1)
+            err = float(np.abs(got_w - ref).max() / max(np.abs(ref).max(), 1e-6))
             if err <= tol:
                 return {**attrs, "k": k, "n_group": n_group, "topk_group": topk_group, "bias": params["bias"]}
-            closest = min(closest, (err, f"{n_group} groups, {topk_group} kept"))
-    what = "other expert ids" if closest[0] == np.inf else f"relative error {closest[0]:.2e}"
-    return f"no grouped-router reading reproduces the router (closest: {closest[1]}, {what})"
+            closest = min(closest, (err, f"{n_group} groups, {topk_group} kept: weights' relative error {err:.2e}"))
+    return f"no grouped-router reading reproduces the router (closest: {closest[1]})"
 
 
 @rule("softmax-topk")
@@ -873,11 +904,11 @@ def _router_model(form: str, *, e: int = 8, k: int = 2, dtype: int = TensorProto
 
 def _grouped_router_model(*, e: int = 16, k: int = 4, n_group: int = 4, topk_group: int = 2, scoring: str = "sigmoid",
                           fill: float = float("-inf"), bias_shift: float = 0.0, normalize: str = "eps", scale: float = 2.5,
-                          group_top: int = 2, sorted_: int = 1):
+                          group_top: int = 2, sorted_: int = 1, tokens: int | str = "T"):
     """DeepSeek-V3's router as transformers' exporter writes it (logits [T, E] -> weights, ids), with knobs for
     the cases: ``normalize`` "eps" (sum + 1e-20), "clip" (Clip(sum, 0.5): Ernie 4.5) or "none"; ``fill`` the
     masked_fill value; ``bias_shift`` added to the selection bias; ``group_top`` the per-group top count that
-    makes the group score (DeepSeek-V3: 2)."""
+    makes the group score (DeepSeek-V3: 2); ``tokens`` the logits' first dim (an int: an export fixed to it)."""
     n = helper.make_node
     rng = np.random.default_rng(1)
     bias = (rng.standard_normal(e) * 0.1 + bias_shift).astype(np.float32)
@@ -928,7 +959,7 @@ def _grouped_router_model(*, e: int = 16, k: int = 4, n_group: int = 4, topk_gro
         nodes.append(n("Mul", [w, "scale"], ["w_scaled"]))
         w = "w_scaled"
     nodes += [n("Identity", [w], ["weights"]), n("Identity", ["ids"], ["indices"])]
-    g = helper.make_graph(nodes, "grouped_router", [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", e])],
+    g = helper.make_graph(nodes, "grouped_router", [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [tokens, e])],
                           [helper.make_tensor_value_info("weights", TensorProto.FLOAT, None),
                            helper.make_tensor_value_info("indices", TensorProto.INT64, None)], initializer=inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
