@@ -28,7 +28,7 @@ from rewrite.backends.ort import OrtRunner, lower_abstract_ops
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.pipeline import apply
-from rewrite.plugins.router import MoERouterTopK
+from rewrite.plugins.router_op import MoERouterTopK
 
 _RANGES = {TP.UINT4: (0, 16), TP.INT4: (-8, 8), TP.UINT8: (0, 256), TP.INT8: (-128, 128)}
 _SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

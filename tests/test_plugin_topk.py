@@ -31,7 +31,8 @@ from rewrite.core.kernels import build_cpu_object, kernel_source
 from rewrite.core.shapes import infer_shapes
 from rewrite.errors import BackendError
 from rewrite.pipeline import apply
-from rewrite.plugins.router import _KERNEL_FLAGS, MoERouterTopK, RouterTopK, _router_model, router_topk_reference
+from rewrite.plugins.router import RouterTopK, _router_model
+from rewrite.plugins.router_op import _KERNEL_FLAGS, MoERouterTopK, router_topk_reference
 from rewrite.testing.pytest_plugin import conformance_params
 from rewrite.verify import verify
 
@@ -268,9 +269,9 @@ def test_qwen3_moe_renormalized_router_on_iree_decodes_like_ort(qwen3_moe_tiny, 
 def test_grouped_router_reading_keeps_the_group_limit(e, n_group, topk_group, k, tokens):
     """Readings that ignore the group limit agree with the true one on most tokens; the check must still take
     the graph's own groups, so that the fused router routes every token as the original does."""
-    from rewrite.plugins.router import _grouped_router_model
+    from rewrite.plugins.router_grouped import grouped_router_model
 
-    model = _grouped_router_model(e=e, n_group=n_group, topk_group=topk_group, k=k, tokens=tokens)
+    model = grouped_router_model(e=e, n_group=n_group, topk_group=topk_group, k=k, tokens=tokens)
     g = onnx_io.load(model)
     infer_shapes(g)
     rep = run_plugin(g, PLUGIN)

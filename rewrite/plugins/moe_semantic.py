@@ -45,7 +45,7 @@ from rewrite.core.analysis import region_model, upstream_nodes
 from rewrite.core.feeds import make_feeds, specs_of
 from rewrite.core.ir import Graph, Node
 from rewrite.plugins.moe_lowering import FusedMoE
-from rewrite.plugins.router import router_topk_reference
+from rewrite.plugins.router_op import router_topk_reference
 
 #: the region may not be larger than this many nodes (grouped_mm with 128 experts is about 1,000)
 MAX_REGION_NODES = 4000
