@@ -203,8 +203,12 @@ def _type_as_loaded(v: Value, out_vi: onnx.ValueInfoProto) -> bool:
     return t is not None and ((t.data_type or None), tuple(t.dims)) == cur
 
 
-def to_model(g: Graph) -> onnx.ModelProto:
-    """Write the graph back to a ModelProto (initializer protos are shared, not copied)."""
+def to_model(g: Graph, *, skeleton_bytes: int | None = None) -> onnx.ModelProto:
+    """Write the graph back to a ModelProto (initializer protos are shared, not copied).
+
+    With ``skeleton_bytes``, initializers larger than that (or held in external data) are written as graph
+    inputs of the same type and shape, without their data: a skeleton for shape inference, which needs only
+    their types, however large the model."""
     model = onnx.ModelProto()
     model.CopyFrom(g.model_shell)
     gp = model.graph
@@ -217,7 +221,12 @@ def to_model(g: Graph) -> onnx.ModelProto:
         vi = g.values[name].to_value_info() or onnx.ValueInfoProto(name=name)
         gp.input.append(vi)
     for name in g.initializers:
-        gp.initializer.append(g.values[name].initializer)
+        t = g.values[name].initializer
+        if skeleton_bytes is not None and (t.data_location == onnx.TensorProto.EXTERNAL or _tensor_nbytes(t) > skeleton_bytes):
+            if name not in g.inputs:
+                gp.input.append(onnx.helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+            continue
+        gp.initializer.append(t)
     gp.sparse_initializer.extend(g.passthrough.sparse_initializer)
     for n in g.topo_nodes():
         np_ = gp.node.add()

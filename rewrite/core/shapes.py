@@ -86,7 +86,7 @@ def infer_shapes(graph: Graph, dims: dict[str, int] | None = None) -> int:
     resolve_exporter_dims(graph)
     if dims:
         override_dims(graph, dims)
-    gained = _infer_round(graph, onnx_io.to_model(graph))
+    gained = _infer_round(graph, onnx_io.to_model(graph, skeleton_bytes=SKELETON_MAX_BYTES))
     for _ in range(MAX_ROUNDS):
         known = known_values(graph)
         if not known:
@@ -103,10 +103,16 @@ def infer_shapes(graph: Graph, dims: dict[str, int] | None = None) -> int:
     return gained
 
 
+#: initializers larger than this go to shape inference as typed graph inputs, without their data
+#: (``onnx_io.to_model(skeleton_bytes=...)``): inference needs only their types, data propagation only small
+#: shape tensors, and two 1.1 GB plugin-made tensors made the probe pass protobuf's 2 GB limit
+SKELETON_MAX_BYTES = 64 * 1024
+
+
 def _with_known_constants(graph: Graph, known: dict) -> onnx.ModelProto:
     """The model with every node whose outputs are all known replaced by initializers holding them, and
     intermediate value_info dropped (so inference starts from the constants, not from stale symbols)."""
-    model = onnx_io.to_model(graph)
+    model = onnx_io.to_model(graph, skeleton_bytes=SKELETON_MAX_BYTES)
     gp = model.graph
     keep = [n for n in gp.node if not all((not o) or o in known for o in n.output)]
     folded = {o for n in gp.node if n not in keep for o in n.output if o}
