@@ -127,3 +127,17 @@ def region_model(graph: Graph, region: list[Node], cut: list[str], outs: list[st
                               opset_imports=list(graph.model_shell.opset_import))
     model.ir_version = graph.model_shell.ir_version
     return model
+
+
+def region_session(model: onnx.ModelProto, what: str = "region"):
+    """An ONNX Runtime CPU session for a region checked by value, at the "basic" level (the graph's exact
+    semantics); a one-line refusal naming ``what`` when ONNX Runtime cannot load it."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT's own exception types
+        return f"the {what} does not run alone: {str(e).splitlines()[0][:160]}"

@@ -37,11 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from rewrite.core.abstract_ops import DOMAIN
-from rewrite.core.analysis import region_model, upstream_nodes
+from rewrite.core.analysis import region_model, region_session, upstream_nodes
 from rewrite.core.feeds import make_feeds, specs_of
 from rewrite.core.ir import Graph, Node
 from rewrite.plugins.moe_lowering import FusedMoE
@@ -285,8 +284,6 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
 
 def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: int) -> Proven | str:
     """The check of the module docstring for one cut: ``router`` (logits) or ``Routed`` (weights and ids)."""
-    import onnxruntime as ort
-
     hidden, E = router.hidden, router.experts
     routed = isinstance(router, Routed)
     if routed:
@@ -340,13 +337,9 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     model = region_model(graph, region, cut, [out])
     if isinstance(model, str):
         return model
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.log_severity_level = 3
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception as e:  # ORT's own exception types
-        return f"the region does not run alone: {str(e).splitlines()[0][:160]}"
+    session = region_session(model)
+    if isinstance(session, str):
+        return session
     dtype = helper.tensor_dtype_to_np_dtype(graph.values[hidden].dtype)
     tol = TOLERANCE.get(graph.values[hidden].dtype, 1e-4)
     rng = np.random.default_rng(seed)

@@ -25,7 +25,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from rewrite.core.abstract_ops import DOMAIN
-from rewrite.core.analysis import region_model, upstream_nodes
+from rewrite.core.analysis import region_model, region_session, upstream_nodes
 from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.pattern import AttrVar, Const, Or
 from rewrite.core.rules import rule
@@ -217,15 +217,9 @@ def _check_grouped(model, logits: str, lv, k: int, scoring: str, chain: _Chain, 
     open; weights within 1e-4 of the largest, float16 1e-2), or a refusal naming the closest reading. Readings
     are tried with the most groups first, so that a grouping the graph spells is preferred to the readings it
     contains (one group, every group kept)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.log_severity_level = 3
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception as e:  # ORT's own exception types
-        return f"the router does not run alone: {str(e).splitlines()[0][:160]}"
+    session = region_session(model, "router")
+    if isinstance(session, str):
+        return session
     e = lv.shape[1]
     rng = np.random.default_rng(0)
     sizes = [1, 3, e + 1] if not isinstance(lv.shape[0], int) else [lv.shape[0]] * 3

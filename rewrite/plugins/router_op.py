@@ -261,7 +261,7 @@ class MoERouterTopK(AbstractOp):
                 f"    %rt_w, %rt_i = flow.dispatch @{entry}_exec::@{entry}[%rt_nwg](%rt_flat, %in1, {t}, %rt_e, %rt_k, %rt_norm, "
                 f"%rt_sc, %rt_g, %rt_kg, %rt_scale, %rt_eps, %rt_lo) : (tensor<?x{xe}>{{%rt_ne}}, tensor<{e}xf32>, index, index, "
                 f"index, index, index, index, index, index, index, index) -> (tensor<?x{we}>{{%rt_nk}}, tensor<?xi64>{{%rt_nk}})")
-            executable = _grouped_executable(entry, xe, we, e, obj)
+            executable = _executable(entry, xe, we, obj, bias=e, params=("norm", "sc", "g", "kg", "scale", "eps", "lo"))
         else:
             lines.append(
                 f"    %rt_w, %rt_i = flow.dispatch @{entry}_exec::@{entry}[%rt_nwg](%rt_flat, {t}, %rt_e, %rt_k, %rt_mode, %rt_norm)"
@@ -343,8 +343,29 @@ def _grouped_onnx(graph: Graph, node: Node, b: Builder, k: int, normalize: int) 
     return [w, idx]
 
 
-def _executable(entry: str, xe: str, we: str, obj) -> str:
-    """The ``stream.executable`` whose export calls the statically linked ``<entry>_workgroup`` C function."""
+def _executable(entry: str, xe: str, we: str, obj, *, bias: int | None = None,
+                params: tuple[str, ...] = ("mode", "norm")) -> str:
+    """The ``stream.executable`` whose export calls the statically linked ``<entry>_workgroup`` C function.
+
+    Bindings: logits, then (grouped mode, ``bias`` = E) the f32 [E] bias, then weights and indices; push
+    constants: t, e, k and ``params``. The C signature (plugin_kernels/topk/router_topk.c ``ROUTER_ENTRY`` /
+    ``GROUPED_ENTRY``): each binding's base pointer and offset, then t, e, k, the workgroup id and ``params``.
+    """
+    bufs = [("b0", "m0", "p0", "o0", f"?x{xe}", xe, "%ne")]
+    if bias is not None:
+        bufs.append(("bb", "mb", "pb", "ob", f"{bias}xf32", "f32", None))
+    bufs += [("b1", "m1", "p1", "o1", f"?x{we}", we, "%nk"), ("b2", "m2", "p2", "o2", "?xi64", "i64", "%nk")]
+    c_args = ", ".join(f"memref<{el}>, index" for *_, el, _n in bufs) + ", index, index, index, index" + ", index" * len(params)
+    bindings = ", ".join(f"%{b}: !stream.binding" for b, *_ in bufs)
+    consts = ", ".join(f"%{p}: index" for p in ("t", "e", "k") + params)
+    body = []
+    for b, mref, ptr, off, ty, el, n in bufs:
+        dyn = f"{{{n}}}" if n else ""
+        body.append(f"        %{mref} = stream.binding.subspan %{b}[%c0] : !stream.binding -> memref<{ty}>{dyn}")
+    for b, mref, ptr, off, ty, el, n in bufs:
+        body.append(f"        %{ptr}, %{off}, %s_{ptr}, %t_{ptr} = iree_codegen.extract_strided_metadata %{mref} : memref<{ty}> -> memref<{el}>, index, index, index")
+    call_args = ", ".join(f"%{ptr}, %{off}" for _b, _m, ptr, off, *_ in bufs) + ", %t, %e, %k, %wg" + "".join(f", %{p}" for p in params)
+    nl = "\n"
     return f"""
   stream.executable private @{entry}_exec attributes {{
     hal.executable.objects = #hal.executable.objects<{{
@@ -356,57 +377,16 @@ def _executable(entry: str, xe: str, we: str, obj) -> str:
       stream.return %n, %c1, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func private @{entry}_workgroup(memref<{xe}>, index, memref<{we}>, index, memref<i64>, index, index, index, index, index, index, index)
+      func.func private @{entry}_workgroup({c_args})
         attributes {{hal.import.static, llvm.bareptr = true}}
-      func.func @{entry}(%b0: !stream.binding, %b1: !stream.binding, %b2: !stream.binding, %t: index, %e: index, %k: index, %mode: index, %norm: index) {{
+      func.func @{entry}({bindings}, {consts}) {{
         %c0 = arith.constant 0 : index
         %wg = stream.dispatch.workgroup.id[0] : index
         %ne = arith.muli %t, %e : index
         %nk = arith.muli %t, %k : index
-        %m0 = stream.binding.subspan %b0[%c0] : !stream.binding -> memref<?x{xe}>{{%ne}}
-        %m1 = stream.binding.subspan %b1[%c0] : !stream.binding -> memref<?x{we}>{{%nk}}
-        %m2 = stream.binding.subspan %b2[%c0] : !stream.binding -> memref<?xi64>{{%nk}}
-        %p0, %o0, %s0, %t0 = iree_codegen.extract_strided_metadata %m0 : memref<?x{xe}> -> memref<{xe}>, index, index, index
-        %p1, %o1, %s1, %t1 = iree_codegen.extract_strided_metadata %m1 : memref<?x{we}> -> memref<{we}>, index, index, index
-        %p2, %o2, %s2, %t2 = iree_codegen.extract_strided_metadata %m2 : memref<?xi64> -> memref<i64>, index, index, index
-        func.call @{entry}_workgroup(%p0, %o0, %p1, %o1, %p2, %o2, %t, %e, %k, %wg, %mode, %norm)
-          : (memref<{xe}>, index, memref<{we}>, index, memref<i64>, index, index, index, index, index, index, index) -> ()
-        return
-      }}
-    }}
-  }}"""
-
-
-def _grouped_executable(entry: str, xe: str, we: str, e: int, obj) -> str:
-    """The ``stream.executable`` of grouped mode: logits, the f32 [E] bias, weights and indices bindings."""
-    return f"""
-  stream.executable private @{entry}_exec attributes {{
-    hal.executable.objects = #hal.executable.objects<{{
-      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{obj}"}}>]
-    }}>
-  }} {{
-    stream.executable.export public @{entry} workgroups(%n: index) -> (index, index, index) {{
-      %c1 = arith.constant 1 : index
-      stream.return %n, %c1, %c1 : index, index, index
-    }}
-    builtin.module {{
-      func.func private @{entry}_workgroup(memref<{xe}>, index, memref<f32>, index, memref<{we}>, index, memref<i64>, index, index, index, index, index, index, index, index, index, index, index, index)
-        attributes {{hal.import.static, llvm.bareptr = true}}
-      func.func @{entry}(%b0: !stream.binding, %bb: !stream.binding, %b1: !stream.binding, %b2: !stream.binding, %t: index, %e: index, %k: index, %norm: index, %sc: index, %g: index, %kg: index, %scale: index, %eps: index, %lo: index) {{
-        %c0 = arith.constant 0 : index
-        %wg = stream.dispatch.workgroup.id[0] : index
-        %ne = arith.muli %t, %e : index
-        %nk = arith.muli %t, %k : index
-        %m0 = stream.binding.subspan %b0[%c0] : !stream.binding -> memref<?x{xe}>{{%ne}}
-        %mb = stream.binding.subspan %bb[%c0] : !stream.binding -> memref<{e}xf32>
-        %m1 = stream.binding.subspan %b1[%c0] : !stream.binding -> memref<?x{we}>{{%nk}}
-        %m2 = stream.binding.subspan %b2[%c0] : !stream.binding -> memref<?xi64>{{%nk}}
-        %p0, %o0, %s0, %t0 = iree_codegen.extract_strided_metadata %m0 : memref<?x{xe}> -> memref<{xe}>, index, index, index
-        %pb, %ob, %sb, %tb = iree_codegen.extract_strided_metadata %mb : memref<{e}xf32> -> memref<f32>, index, index, index
-        %p1, %o1, %s1, %t1 = iree_codegen.extract_strided_metadata %m1 : memref<?x{we}> -> memref<{we}>, index, index, index
-        %p2, %o2, %s2, %t2 = iree_codegen.extract_strided_metadata %m2 : memref<?xi64> -> memref<i64>, index, index, index
-        func.call @{entry}_workgroup(%p0, %o0, %pb, %ob, %p1, %o1, %p2, %o2, %t, %e, %k, %wg, %norm, %sc, %g, %kg, %scale, %eps, %lo)
-          : (memref<{xe}>, index, memref<f32>, index, memref<{we}>, index, memref<i64>, index, index, index, index, index, index, index, index, index, index, index, index) -> ()
+{nl.join(body)}
+        func.call @{entry}_workgroup({call_args})
+          : ({c_args}) -> ()
         return
       }}
     }}
