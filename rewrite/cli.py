@@ -111,6 +111,19 @@ def _print_report(report: list[dict]) -> None:
     console.print(t)
 
 
+def _print_interface_notes(m) -> None:
+    """Say where the folder's interface differs from the source's, or could: frozen inputs, kept defaults."""
+    if m.frozen_inputs:
+        click.echo(f"frozen (now constants, no longer inputs): {_names(m.frozen_inputs)}")
+    kept = [d["name"] for d in m.inputs if d.get("default")]
+    if kept:
+        click.echo(f"inputs with initializer defaults kept overridable: {_names(kept)} (--freeze-inputs makes them constants)")
+
+
+def _names(names: list[str], shown: int = 6) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 @cli.command("apply")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--plugins", "plugin_names", default="", help="Comma-separated short names, applied in order (see 'rewrite plugins').")
@@ -125,7 +138,8 @@ def _print_report(report: list[dict]) -> None:
 @click.option("--dry-run", is_flag=True, help="Run the plugins in memory and print the report; lower and write nothing (--report still writes the JSON).")
 @click.option("--max-seq", type=int, default=None, help="kv: turn a growing (Concat) KV cache into a static one of this many positions (same as --opt kv.max_seq=N).")
 @click.option("--stateful", is_flag=True, help="iree: keep the KV cache in the compiled module (one util.global); the function takes ids and position.")
-def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful) -> None:
+@click.option("--freeze-inputs", is_flag=True, help="Make graph inputs that have an initializer default constants (they leave the interface; plugins may fold them).")
+def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful, freeze_inputs) -> None:
     """Rewrite MODEL with --plugins and lower it for --backend into OUT."""
     from rewrite.explain import parse_expect, preview, shortfalls
     from rewrite.pipeline import apply
@@ -140,11 +154,13 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
             raise click.UsageError("--stateful needs --backend iree")
         options["stateful"] = True
     if dry_run:
-        report = [r.to_json() for r in preview(model, plugin_names, dims=_parse_dims(dims), backend=backend, options=options)]
+        report = [r.to_json() for r in preview(model, plugin_names, dims=_parse_dims(dims), backend=backend, options=options,
+                                               freeze_inputs=freeze_inputs)]
     elif out_dir is None:
         raise click.UsageError("missing option '-o' / '--out' (or use --dry-run)")
     else:
-        m = apply(model, out_dir, plugins=plugin_names, backend=backend, target=target, dims=_parse_dims(dims), options=options)
+        m = apply(model, out_dir, plugins=plugin_names, backend=backend, target=target, dims=_parse_dims(dims), options=options,
+                  freeze_inputs=freeze_inputs)
         report = m.report
     _print_report(report)
     if report_path:
@@ -153,6 +169,7 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
         click.echo("dry run: nothing written" + (f" except {report_path}" if report_path else ""))
     else:
         click.echo(f"wrote {out_dir} ({m.backend}/{m.target}): {', '.join(sorted(m.files.values()) or [m.model])}")
+        _print_interface_notes(m)
     short = shortfalls(expected, report)
     if short:
         for msg in short:
@@ -167,12 +184,13 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
 @click.option("--dim", "dims", multiple=True, help="Fix a symbolic dim, NAME=INT (repeatable).")
 @click.option("--all", "show_all", is_flag=True, help="Also list the rules that fired.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the explanations as JSON.")
-def explain_cmd(model, plugin_names, node, dims, show_all, json_path) -> None:
+@click.option("--freeze-inputs", is_flag=True, help="As for 'apply': inputs with initializer defaults become constants.")
+def explain_cmd(model, plugin_names, node, dims, show_all, json_path, freeze_inputs) -> None:
     """Why each rule of --plugins did (not) fire on MODEL: best partial match and the reason it stopped."""
     from rewrite.explain import explain
 
     _check_writable("--json", json_path)
-    exps = explain(model, plugin_names, node=node, dims=_parse_dims(dims))
+    exps = explain(model, plugin_names, node=node, dims=_parse_dims(dims), freeze_inputs=freeze_inputs)
     for e in exps:
         if show_all or e.status != "fired":
             click.echo("\n".join(e.lines()))

@@ -126,16 +126,20 @@ def explain_rule(graph: Graph, rule: Rule, plugin: str = "", node: str | None = 
     return ex
 
 
-def _load(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[Plugin], dims: dict[str, int] | None) -> Graph:
+def _load(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[Plugin], dims: dict[str, int] | None,
+          freeze_inputs: bool = False) -> Graph:
     graph = model if isinstance(model, Graph) else onnx_io.load(model)
+    if freeze_inputs:
+        graph.freeze_inputs()
     check_model(graph, plugins, str(model) if not isinstance(model, (Graph, onnx.ModelProto)) else "model")
     infer_shapes(graph, dims or {})
     return graph
 
 
 def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[str] | str | list[Plugin], *, node: str | None = None,
-            dims: dict[str, int] | None = None) -> list[RuleExplanation]:
-    """One :class:`RuleExplanation` per rule of each plugin, in plugin order then rule order.
+            dims: dict[str, int] | None = None, freeze_inputs: bool = False) -> list[RuleExplanation]:
+    """One :class:`RuleExplanation` per rule of each plugin, in plugin order then rule order (on the graph
+    ``apply`` would see: ``freeze_inputs`` as there).
 
     Plugins run in memory in the order given (each sees its predecessors' output). A rule that did not fire
     is explained by its best attempt on the graph its plugin was given or on the graph the plugin left (where
@@ -146,7 +150,7 @@ def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[st
         RewriteError: unknown plugin, unloadable model, a plugin failure, or ``node`` not in the graph.
     """
     selected = plugins if plugins and isinstance(plugins, list) and isinstance(plugins[0], Plugin) else select_plugins(plugins)
-    graph = _load(onnx_io.to_model(model) if isinstance(model, Graph) else model, selected, dims)
+    graph = _load(onnx_io.to_model(model) if isinstance(model, Graph) else model, selected, dims, freeze_inputs)
     ctx = RewriteContext(dims=dict(dims or {}))
     out: list[RuleExplanation] = []
     for p in selected:
@@ -165,12 +169,12 @@ def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[st
 
 
 def preview(model: str | os.PathLike, plugins: list[str] | str, *, dims: dict[str, int] | None = None, backend: str = "ort",
-            options: dict | None = None) -> list[PluginReport]:
+            options: dict | None = None, freeze_inputs: bool = False) -> list[PluginReport]:
     """``rewrite apply --dry-run``: run the plugins in memory, with the context ``apply`` would give them
-    (``backend``, plugin ``options``), and return their reports; nothing is lowered or written.
-    Raises RewriteError like ``rewrite apply``."""
+    (``backend``, plugin ``options``, ``freeze_inputs``), and return their reports; nothing is lowered or
+    written. Raises RewriteError like ``rewrite apply``."""
     selected = select_plugins(plugins)
-    graph = _load(model, selected, dims)
+    graph = _load(model, selected, dims, freeze_inputs)
     from rewrite.backends import get_backend
 
     ctx = RewriteContext(backend=backend, target=get_backend(backend).targets[0], dims=dict(dims or {}), options=dict(options or {}))

@@ -75,14 +75,12 @@ class Generator:
             GenerationError: the model is not a decoder this module drives.
         """
         from rewrite.backends.ort import OrtRunner
-        from rewrite.core.feeds import specs_of
+        from rewrite.core.feeds import input_specs
         from rewrite.core.shapes import resolve_exporter_dims
 
         graph = onnx_io.load(model_path)
         resolve_exporter_dims(graph)
-        model = onnx_io.to_model(graph)
-        initialized = set(graph.initializers)
-        specs = [s for s in specs_of(model.graph.input) if s.name not in initialized]
+        specs = input_specs(onnx_io.to_model(graph).graph)
         iface = decoder_interface(graph)
         self = cls.__new__(cls)
         self.folder, self.manifest = None, None
@@ -99,7 +97,7 @@ class Generator:
         self.pairs = [(p.past, p.present) for p in iface.pairs]
         self.state = state
         known = {iface.input_ids, iface.seq_position, iface.position_ids, iface.attention_mask} | {p for p, _ in self.pairs}
-        unknown = [n for n in self.specs if n not in known]
+        unknown = [n for n, spec in self.specs.items() if n not in known and not spec.default]  # defaults: left out
         if unknown:
             raise GenerationError(f"{where}: input '{unknown[0]}' is not a decoder input generate knows "
                                   f"(token ids, positions, attention mask, or a past fed back from an output)")

@@ -152,8 +152,13 @@ def apply(
     target: str | None = None,
     dims: dict[str, int] | None = None,
     options: dict | None = None,
+    freeze_inputs: bool = False,
 ) -> Manifest:
     """Rewrite ``model_path`` with ``plugins`` and lower it for ``backend`` into ``out_dir``.
+
+    Graph inputs that have an initializer as their default stay inputs a caller may override (their data is no
+    constant to the plugins); ``freeze_inputs`` makes them constants and removes them from the interface
+    (recorded in the manifest's ``frozen_inputs``).
 
     Returns the written manifest. Raises RewriteError (with a one-line message) on bad input, a failing
     plugin or a failing backend; ``out_dir`` is then left as it was.
@@ -164,6 +169,7 @@ def apply(
         raise RewriteError(f"backend '{backend}' has no target '{target}'; targets: {', '.join(be.targets)}")
     selected = select_plugins(list(plugins) if not isinstance(plugins, str) else plugins)
     graph = onnx_io.load(model_path)
+    frozen = graph.freeze_inputs() if freeze_inputs else []
     check_model(graph, selected, str(model_path))
     check_options(options or {}, selected)
     ctx = RewriteContext(backend=backend, target=target, dims=dict(dims or {}), options=dict(options or {}))
@@ -182,6 +188,7 @@ def apply(
             source_model=str(Path(model_path).resolve()),
             plugins=[p.short for p in selected],
             dims=ctx.dims,
+            frozen_inputs=frozen,
             report=[r.to_json() for r in reports],
         )
         iface = decoder_interface(graph)  # before lowering: abstract ops still say which axis a cache is written on

@@ -10,7 +10,12 @@ Generated with hypothesis (derandomized, so every run draws the same cases). Wha
 * the same blocked forms through ``legalize`` on IREE llvm-cpu (fewer draws: each compiles a module);
 * ``MoERouterTopK``'s ONNX Runtime lowering against its reference for every mode, grouped mode's groups, kept
   groups, selection biases, renormalization (``eps``, ``norm_min``) and scaling, more experts selected than kept
-  groups hold (ties among masked experts broken by the lower index), float16 and float32 logits.
+  groups hold (ties among masked experts broken by the lower index), float16 and float32 logits;
+* ``FusedMoE`` on ``ort`` (and, fewer draws, IREE llvm-cpu) against its reference: float and block-wise INT4
+  experts, zero points present or absent (absent means 8), partial last blocks, every mode (routed from the
+  graph's own Softmax and TopK), biases on either projection, gpt-oss's clamped SwiGLU, empty batches;
+* ``KVCacheUpdate`` on both backends, bit-exact: any axis of a rank-3 or rank-4 cache, a batch of 1 to 3, empty
+  updates, positions counted from either end, as shape ``[1]`` or a scalar.
 """
 
 from __future__ import annotations
@@ -129,8 +134,10 @@ def router_samples(draw):
         attrs = dict(k=draw(st.integers(1, e)), normalize=int(draw(st.booleans())), mode=mode)
         bias = None
     t = draw(st.integers(1, 9))
-    # scores at least 0.25 apart in each row: no ties that rounding could reorder
-    logits = (0.25 * rng.permuted(np.broadcast_to(np.arange(e, dtype=np.float64), (t, e)), axis=-1) - 2.0).astype(dtype)
+    # scores at least 0.25 apart in each row: no ties that rounding could reorder; the plain top-k renormalizes
+    # the values themselves, which the graphs it comes from (TopK of probabilities) keep positive
+    shift = 0.25 if mode == "topk" else -2.0
+    logits = (0.25 * rng.permuted(np.broadcast_to(np.arange(e, dtype=np.float64), (t, e)), axis=-1) + shift).astype(dtype)
     return attrs, logits, bias
 
 
@@ -157,3 +164,173 @@ def test_router_ort_lowering_equals_the_reference(sample):
     np.testing.assert_array_equal(got_i, i)
     tol = 1e-6 if w.dtype == np.float32 else 1e-3
     assert np.abs(got_w.astype(np.float64) - w.astype(np.float64)).max() <= tol * max(1.0, float(np.abs(w).max()))
+
+
+# ------------------------------------------------------------------ FusedMoE
+def _moe_model(attrs: dict, hidden: np.ndarray, scores: np.ndarray, weights: list[np.ndarray | None]) -> onnx.ModelProto:
+    """One FusedMoE over graph inputs ``hidden`` [T, H] and ``scores`` [T, E], its expert tensors initializers
+    (absent optional ones ""). ``mode="routed"``: the graph computes the mixing weights and experts itself,
+    ``TopK(Softmax(scores), k)``, as a model's own router does."""
+    dt = helper.np_dtype_to_tensor_dtype(hidden.dtype)
+    names = ["fc1", "fc2", "s1", "z1", "s2", "z2", "ids", "b1", "b2"]
+    inits = [numpy_helper.from_array(w, n) for n, w in zip(names, weights) if w is not None and n != "ids"]
+    ins = ["hidden", "scores"] + [n if w is not None else "" for n, w in zip(names, weights)]
+    nodes = []
+    if attrs["mode"] == "routed":
+        inits.append(numpy_helper.from_array(np.array([attrs["k"]], np.int64), "k"))
+        nodes += [helper.make_node("Softmax", ["scores"], ["p"], axis=-1, name="softmax"),
+                  helper.make_node("TopK", ["p", "k"], ["w", "ids"], axis=-1, name="topk")]
+        ins[1], ins[8] = "w", "ids"
+    while ins and not ins[-1]:
+        ins.pop()
+    nodes.append(helper.make_node("FusedMoE", ins, ["y"], domain=DOMAIN, name="moe", **attrs))
+    t, h = hidden.shape
+    g = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("hidden", dt, ["T", h]),
+                                                helper.make_tensor_value_info("scores", dt, ["T", scores.shape[1]])],
+                          [helper.make_tensor_value_info("y", dt, ["T", h])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+
+
+@st.composite
+def moe_samples(draw, iree: bool = False):
+    """(attrs, hidden, scores, weights in contract order from fc1): float or block-wise INT4 experts with and
+    without zero points (absent: 8), partial last blocks, every mode, renormalized or not, biases, gpt-oss's
+    clamped SwiGLU, T = 0 (an empty batch) to 5 tokens. ``iree``: only what the IREE kernels take (INT4 with
+    zero points, both biases or neither)."""
+    from rewrite.plugins.moe_lowering import pack_int4
+
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    dtype = draw(st.sampled_from([np.float32, np.float16]))
+    e = draw(st.integers(2, 6))
+    k = draw(st.integers(1, min(e, 4)))
+    h, i = draw(st.sampled_from([16, 24, 32, 64])), draw(st.sampled_from([8, 16, 40, 64]))
+    t = draw(st.sampled_from([0, 1, 2, 5]))
+    mode = draw(st.sampled_from(["softmax_topk", "topk_softmax", "routed"]))
+    attrs = dict(k=k, normalize=int(draw(st.booleans())), mode=mode, activation="swiglu")
+    if draw(st.booleans()):
+        attrs.update(activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)  # gpt-oss
+    quant = True if iree else draw(st.booleans())
+    if quant:
+        bs = draw(st.sampled_from([16, 32, 64]))
+        attrs["block_size"] = bs
+        zp = True if iree else draw(st.booleans())
+        fc1 = pack_int4(rng.integers(0, 16, (e, 2 * i, h)))
+        fc2 = pack_int4(rng.integers(0, 16, (e, h, i)))
+        s1 = (rng.uniform(0.5, 1.5, (e, 2 * i, -(-h // bs))) * 0.05).astype(dtype)
+        s2 = (rng.uniform(0.5, 1.5, (e, h, -(-i // bs))) * 0.05).astype(dtype)
+        z1 = rng.integers(0, 16, s1.shape).astype(np.uint8) if zp else None
+        z2 = rng.integers(0, 16, s2.shape).astype(np.uint8) if zp else None
+    else:
+        fc1 = (rng.standard_normal((e, 2 * i, h)) * 0.2).astype(dtype)
+        fc2 = (rng.standard_normal((e, h, i)) * 0.2).astype(dtype)
+        s1 = z1 = s2 = z2 = None
+    bias = draw(st.sampled_from(["none", "both"] if iree else ["none", "both", "fc1", "fc2"]))
+    b1 = (rng.standard_normal((e, 2 * i)) * 0.1).astype(dtype) if bias in ("both", "fc1") else None
+    b2 = (rng.standard_normal((e, h)) * 0.1).astype(dtype) if bias in ("both", "fc2") else None
+    hidden = rng.standard_normal((t, h)).astype(dtype)
+    # scores at least 0.25 apart in each row: no ties that rounding could reorder
+    scores = (0.25 * rng.permuted(np.broadcast_to(np.arange(e, dtype=np.float64), (t, e)), axis=-1) - 0.5).astype(dtype)
+    return attrs, hidden, scores, [fc1, fc2, s1, z1, s2, z2, None, b1, b2]
+
+
+def _moe_reference(attrs: dict, hidden, scores, weights) -> np.ndarray:
+    from rewrite.plugins.moe_lowering import FusedMoE
+
+    logits, ids = scores, None
+    if attrs["mode"] == "routed":
+        z = scores.astype(np.float32)
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p = (p / p.sum(-1, keepdims=True)).astype(scores.dtype)
+        ids = np.argsort(-p.astype(np.float32), axis=-1, kind="stable")[:, :attrs["k"]].astype(np.int64)
+        logits = np.take_along_axis(p, ids, -1)
+    w = list(weights)
+    w[6] = ids
+    return FusedMoE().reference(attrs, hidden, logits, *w)[0]
+
+
+def _check_moe(sample, backend: str, workdir) -> None:
+    from rewrite.plugins.moe_lowering import FusedMoE
+    from rewrite.testing.conformance import lower_graph
+
+    attrs, hidden, scores, weights = sample
+    want = _moe_reference(attrs, hidden, scores, weights)
+    folder = lower_graph(onnx_io.load(_moe_model(attrs, hidden, scores, weights)), backend, workdir / backend, [FusedMoE()])
+    got = load_runner(folder).run({"hidden": hidden, "scores": scores})["y"]
+    assert got.shape == want.shape and got.dtype == hidden.dtype
+    tol = 1e-5 if hidden.dtype == np.float32 else 1e-2
+    if want.size:
+        assert np.abs(got.astype(np.float64) - want.astype(np.float64)).max() <= tol * max(1.0, float(np.abs(want).max()))
+
+
+@settings(max_examples=150, **_SETTINGS)
+@given(sample=moe_samples())
+def test_fused_moe_on_ort_equals_the_reference(tmp_path_factory, sample):
+    _check_moe(sample, "ort", tmp_path_factory.mktemp("moe"))
+
+
+@pytest.mark.slow
+@settings(max_examples=6, **_SETTINGS)
+@given(sample=moe_samples(iree=True))
+def test_fused_moe_on_iree_equals_the_reference(tmp_path_factory, sample):
+    _check_moe(sample, "iree", tmp_path_factory.mktemp("moe_iree"))
+
+
+# ------------------------------------------------------------------ KVCacheUpdate
+@st.composite
+def kv_samples(draw):
+    """(attrs, past, update, position): any axis of a rank-3 or rank-4 cache, a batch of 1 to 3, 0 (empty) to S
+    rows written at any position that fits, given as it is or negative (from the end), shape [1] or []."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    rank = draw(st.sampled_from([3, 4]))
+    shape = [draw(st.integers(1, 3))] + [draw(st.integers(1, 6)) for _ in range(rank - 1)]
+    axis = draw(st.integers(1, rank - 1))
+    s = shape[axis]
+    n = draw(st.integers(0, s))
+    p = draw(st.integers(0, s - n))
+    if draw(st.booleans()) and p > 0:
+        p -= s  # the same row counted from the end
+    dtype = draw(st.sampled_from([np.float32, np.float16]))
+    upd = list(shape)
+    upd[axis] = n
+    pos = np.array([p] if draw(st.booleans()) else p, np.int64)
+    return {"axis": axis if draw(st.booleans()) else axis - rank}, rng.standard_normal(shape).astype(dtype), \
+        rng.standard_normal(upd).astype(dtype), pos
+
+
+def _check_kv(sample, backend: str, workdir) -> None:
+    from rewrite.plugins.kv_cache import KVCacheUpdate
+    from rewrite.testing.conformance import _single_op_model, lower_graph
+
+    attrs, *inputs = sample
+    op = KVCacheUpdate()
+    want = op.reference(attrs, *inputs)[0]
+    folder = lower_graph(onnx_io.load(_single_op_model(op, attrs, inputs, [want])), backend, workdir / backend, [op])
+    got = load_runner(folder).run({f"in{i}": x for i, x in enumerate(inputs)})["out0"]
+    np.testing.assert_array_equal(got, want)  # data movement only: bit-exact
+
+
+@settings(max_examples=60, **_SETTINGS)
+@given(sample=kv_samples())
+def test_kv_cache_update_on_ort_equals_the_reference(tmp_path_factory, sample):
+    _check_kv(sample, "ort", tmp_path_factory.mktemp("kv"))
+
+
+@pytest.mark.slow
+@settings(max_examples=6, **_SETTINGS)
+@given(sample=kv_samples())
+def test_kv_cache_update_on_iree_equals_the_reference(tmp_path_factory, sample):
+    _check_kv(sample, "iree", tmp_path_factory.mktemp("kv_iree"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["moe", "kv"])
+def test_empty_batches_on_iree_equal_the_reference(tmp_path, what):
+    """The first draw with no tokens (FusedMoE) or no rows written (KVCacheUpdate): zero workgroups, empty
+    tensors."""
+    from hypothesis import find
+
+    quiet = settings(database=None, derandomize=True)
+    if what == "moe":
+        _check_moe(find(moe_samples(iree=True), lambda s: s[1].shape[0] == 0, settings=quiet), "iree", tmp_path)
+    else:
+        _check_kv(find(kv_samples(), lambda s: s[2].size == 0, settings=quiet), "iree", tmp_path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Mapping, Protocol
 
 import numpy as np
 
@@ -38,6 +38,8 @@ class Manifest:
         kernel_objects: kernel object files linked in, relative to the folder.
         plugins: short names of the plugins applied, in order.
         dims: dimension overrides applied.
+        frozen_inputs: graph inputs of the source whose initializer defaults were made constants
+            (``apply --freeze-inputs``): the folder's function no longer takes them.
         report: per-plugin reports (see ``rewrite.core.driver.PluginReport.to_json``).
         decoder: the decode interface (``rewrite.core.interface.DecoderInterface.to_json``: token ids,
             positions, mask, past/present pairs with kind and shape, vocabulary size), None when the model
@@ -60,6 +62,7 @@ class Manifest:
     kernel_objects: list[str] = field(default_factory=list)
     plugins: list[str] = field(default_factory=list)
     dims: dict[str, int] = field(default_factory=dict)
+    frozen_inputs: list[str] = field(default_factory=list)
     report: list[dict] = field(default_factory=list)
     decoder: dict | None = None
     session: dict = field(default_factory=dict)
@@ -118,13 +121,21 @@ class Backend(Protocol):
 
 
 def check_feeds(specs: list[TensorSpec], feeds: dict[str, np.ndarray], where: str,
-                decoder: DecoderInterface | None = None) -> list[np.ndarray]:
-    """Feeds in ``specs`` order, validated first (:func:`rewrite.core.interface.validate_feeds`: names, dtypes,
-    shapes, and token ids below the decoder's vocabulary).
+                decoder: DecoderInterface | None = None,
+                defaults: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Feeds by name in ``specs`` order, validated first (:func:`rewrite.core.interface.validate_feeds`: names,
+    dtypes, shapes, and token ids below the decoder's vocabulary). An input with a ``default`` that is left out
+    takes its value from ``defaults`` when given there, and is otherwise absent from the result (ONNX Runtime
+    applies the model's own initializer).
 
     Raises:
         InputError: one line naming the input and what was expected; no runtime has seen the feeds.
     """
     validate_feeds(specs, feeds, where, vocab=decoder.vocab if decoder else None,
                    token_input=decoder.input_ids if decoder else None)
-    return [np.require(feeds[s.name], requirements='C') for s in specs]  # (ascontiguousarray makes 0-d arrays 1-d)
+    out = {}
+    for s in specs:
+        a = feeds.get(s.name, (defaults or {}).get(s.name))
+        if a is not None:
+            out[s.name] = np.require(a, requirements='C')  # (ascontiguousarray makes 0-d arrays 1-d)
+    return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from rewrite.backends.base import Manifest, check_feeds
 from rewrite.backends.iree_patch import PatchContext, patch_module, unlowered_ops
@@ -17,7 +19,7 @@ from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compi
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN, registered_ops
 from rewrite.core.analysis import REDUCE_OPS, known_before_run
-from rewrite.core.feeds import specs_of
+from rewrite.core.feeds import input_specs, specs_of
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
 from rewrite.stateful import make_module_stateful
@@ -42,10 +44,11 @@ class IreeRunner:
         self.output_names = [d["name"] for d in manifest.outputs]
         self.state = manifest.state
         self.where = str(folder)
+        self.defaults = _input_defaults(folder / manifest.model, [s.name for s in self.input_specs if s.default])
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        args = check_feeds(self.input_specs, feeds, self.where, self.decoder)
-        outs = self.module(*args, function=self.function)
+        args = check_feeds(self.input_specs, feeds, self.where, self.decoder, self.defaults)
+        outs = self.module(*args.values(), function=self.function)
         return dict(zip(self.output_names, outs))
 
     def reset(self) -> None:
@@ -55,6 +58,32 @@ class IreeRunner:
     def read_state(self) -> dict[str, np.ndarray]:
         """Each state global's current value by name (manifest ``state``; empty for a stateless module)."""
         return {s["name"]: self.module(function=s["getter"])[0] for s in self.state}
+
+
+def _input_defaults(model_path: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """The initializer defaults of the inputs ``names``, read from the folder's ``model.onnx`` (the compiled
+    module takes them as arguments: a call that leaves one out gets this value, as on ONNX Runtime)."""
+    if not names:
+        return {}
+    model = onnx.load(str(model_path), load_external_data=False)
+    by_name = {t.name: t for t in model.graph.initializer}
+    return {n: numpy_helper.to_array(by_name[n], str(model_path.parent)) for n in names}
+
+
+def _import_model(onnx_path: Path, graph: Graph) -> Path:
+    """The file to import: ``onnx_path`` itself, or, when inputs have initializer defaults, a copy beside it
+    without those initializers (IREE's importer would make them constants, so a caller could not override
+    them); its external data references resolve to the same files."""
+    defaults = set(graph.overridable_inputs())
+    if not defaults:
+        return onnx_path
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    kept = [t for t in model.graph.initializer if t.name not in defaults]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    path = onnx_path.with_name(onnx_path.stem + ".import.onnx")
+    onnx.save(model, str(path))
+    return path
 
 
 def refuse_unsupported(graph: Graph) -> None:
@@ -74,8 +103,10 @@ def refuse_unsupported(graph: Graph) -> None:
                                "(iree-compile fails to legalize it); the topk plugin replaces grouped routers' "
                                "unsorted TopKs, other TopKs need sorted=1")
         if n.op_type in REDUCE_OPS and len(n.inputs) > 1 and n.inputs[1] and not known_before_run(graph, n.inputs[1]):
+            hint = (" (a graph input with a default: --freeze-inputs makes it one)"
+                    if graph.values[n.inputs[1]].overridable else "")
             raise BackendError(f"node {n.describe()}: axes '{n.inputs[1]}' are known only at run time, which IREE "
-                               "cannot lower (iree-compile fails to legalize the reduction); they must be a constant")
+                               f"cannot lower (iree-compile fails to legalize the reduction); they must be a constant{hint}")
 
 
 class IreeBackend:
@@ -89,14 +120,19 @@ class IreeBackend:
             graph.name = "main_graph"
         onnx_io.save(graph, onnx_path)
         model = onnx_io.to_model(graph)
-        manifest.inputs = [s.to_json() for s in specs_of(model.graph.input) if s.name not in graph.initializers]
+        manifest.inputs = [s.to_json() for s in input_specs(model.graph)]  # the entry function's arguments
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
-        res = import_onnx(
-            onnx_path,
-            folder / "model.mlir",
-            params_path=folder / "model.irpa",
-            param_threshold_elements=int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD)),
-        )
+        import_path = _import_model(onnx_path, graph)
+        try:
+            res = import_onnx(
+                import_path,
+                folder / "model.mlir",
+                params_path=folder / "model.irpa",
+                param_threshold_elements=int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD)),
+            )
+        finally:
+            if import_path != onnx_path:
+                import_path.unlink(missing_ok=True)
         ops = {**registered_ops(), **options.get("abstract_ops", {})}
         used = {n.op_type for n in graph.nodes.values() if n.domain == DOMAIN}
         missing = sorted(used - set(ops))

@@ -16,7 +16,7 @@ from rewrite.backends.base import Manifest, check_feeds
 from rewrite.backends.ort_matmul_nbits import lower_matmul_nbits
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN, registered_ops
-from rewrite.core.feeds import specs_of
+from rewrite.core.feeds import input_specs, specs_of
 from rewrite.core.interface import DecoderInterface
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError, RewriteError
@@ -67,9 +67,7 @@ class OrtRunner:
         self.path = model_path
         self.session = ort_session(model_path, threads=threads, optimize=optimize, config=config)
         self.decoder = decoder
-        graph = onnx_io.read_model(model_path).graph
-        initialized = {t.name for t in graph.initializer}
-        self.input_specs = [s for s in specs_of(graph.input) if s.name not in initialized]
+        self.input_specs = input_specs(onnx_io.read_model(model_path).graph)
         self.input_names = [s.name for s in self.input_specs]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
@@ -77,7 +75,7 @@ class OrtRunner:
         args = check_feeds(self.input_specs, feeds, str(self.path), self.decoder)
         names = outputs or self.output_names
         try:
-            res = self.session.run(names, dict(zip(self.input_names, args)))
+            res = self.session.run(names, args)
         except Exception as e:
             raise BackendError(f"{self.path}: ONNX Runtime failed: {str(e).splitlines()[0][:300]}") from e
         return dict(zip(names, res))
@@ -116,7 +114,7 @@ class OrtBackend:
         path = folder / manifest.model
         onnx_io.save(graph, path)
         model = onnx_io.to_model(graph)
-        manifest.inputs = [s.to_json() for s in specs_of(model.graph.input) if s.name not in graph.initializers]
+        manifest.inputs = [s.to_json() for s in input_specs(model.graph)]
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
         manifest.session = {"optimize": FOLDER_SESSION["optimize"], "config": dict(FOLDER_SESSION["config"])}
         ort_session(path, **manifest.session)  # fail at apply time, not at run time, if ORT cannot load the result

@@ -61,7 +61,7 @@ def _only_use(graph: Graph, value: str) -> Node | None:
 
 
 def _is_init(graph: Graph, value: str) -> bool:
-    return bool(value) and graph.values[value].is_initializer
+    return bool(value) and graph.values[value].is_initializer and not graph.values[value].overridable
 
 
 def _match(graph: Graph, dq: Node) -> _Pair | None:

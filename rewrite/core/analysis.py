@@ -107,7 +107,7 @@ def region_model(graph: Graph, region: list[Node], cut: list[str], outs: list[st
         for i in n.inputs:
             if not i or i in produced:
                 continue
-            if i in graph.initializers:
+            if graph.values[i].is_initializer and not graph.values[i].overridable:
                 if i not in inits:
                     inits.append(i)
             elif i in cut or (i in graph.inputs and n.op_type == "Shape"):  # checked at every read

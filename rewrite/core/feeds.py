@@ -29,35 +29,49 @@ def integer_named(dim) -> bool:
 @dataclass(frozen=True)
 class TensorSpec:
     """Name, ONNX element type (0 when not a typed tensor) and shape (ints, symbolic names or None per dim; None
-    for the whole shape when none is declared) of a graph input or output."""
+    for the whole shape when none is declared) of a graph input or output. ``default``: the input has an
+    initializer as its default (ONNX IR spec, "Graphs"), so a caller may leave it out."""
 
     name: str
     dtype: int
     shape: tuple | None
+    default: bool = False
 
     def to_json(self) -> dict:
-        return {"name": self.name, "dtype": onnx.TensorProto.DataType.Name(self.dtype),
-                "shape": None if self.shape is None else list(self.shape)}
+        d = {"name": self.name, "dtype": onnx.TensorProto.DataType.Name(self.dtype),
+             "shape": None if self.shape is None else list(self.shape)}
+        if self.default:
+            d["default"] = True
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorSpec":
-        return cls(d["name"], onnx.TensorProto.DataType.Value(d["dtype"]), None if d["shape"] is None else tuple(d["shape"]))
+        return cls(d["name"], onnx.TensorProto.DataType.Value(d["dtype"]), None if d["shape"] is None else tuple(d["shape"]),
+                   bool(d.get("default", False)))
 
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(helper.tensor_dtype_to_np_dtype(self.dtype))
 
 
-def specs_of(vis) -> list[TensorSpec]:
+def specs_of(vis, defaults=()) -> list[TensorSpec]:
     """TensorSpecs from ValueInfoProtos (unknown dims become None; a symbolic dim named like an integer, an
-    exporter artefact, is that static size: see :mod:`rewrite.core.interface`)."""
+    exporter artefact, is that static size: see :mod:`rewrite.core.interface`). Names in ``defaults`` (inputs
+    that have an initializer) get ``default=True``."""
+    defaults = set(defaults)
     out = []
     for vi in vis:
         tt = vi.type.tensor_type
         shape = tuple(d.dim_value if d.HasField("dim_value") else (int(d.dim_param) if integer_named(d.dim_param) else (d.dim_param or None))
                       for d in tt.shape.dim) if tt.HasField("shape") else None
-        out.append(TensorSpec(vi.name, tt.elem_type, shape))
+        out.append(TensorSpec(vi.name, tt.elem_type, shape, vi.name in defaults))
     return out
+
+
+def input_specs(graph_proto: onnx.GraphProto) -> list[TensorSpec]:
+    """The inputs of ``graph_proto`` in order, those with an initializer marked ``default`` (every input in
+    IR 3, where all initializers are listed as inputs)."""
+    return specs_of(graph_proto.input, defaults={t.name for t in graph_proto.initializer})
 
 
 def _is_kv(name: str) -> bool:
@@ -66,8 +80,10 @@ def _is_kv(name: str) -> bool:
 
 def make_feeds(specs: list[TensorSpec], dims: dict[str, int] | None = None, *, seed: int = 0,
                seq: int = DEFAULT_SEQ, past: int = DEFAULT_PAST, token_range: int = DEFAULT_TOKEN_RANGE) -> dict[str, np.ndarray]:
-    """Random but meaningful inputs for ``specs`` (see the module docstring). ``dims`` fixes symbolic dims."""
+    """Random but meaningful inputs for ``specs`` (see the module docstring). ``dims`` fixes symbolic dims.
+    Inputs with a ``default`` are left out: the model's own default is what a caller gets without them."""
     rng = np.random.default_rng(seed)
+    specs = [s for s in specs if not s.default]
     sym: dict[str, int] = dict(dims or {})
     specs = [s if s.shape is not None else TensorSpec(s.name, s.dtype, ()) for s in specs]  # undeclared: a scalar
     by = {s.name: s for s in specs}

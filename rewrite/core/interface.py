@@ -241,7 +241,7 @@ def validate_feeds(specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray],
                    vocab: int | None = None, token_input: str | None = None) -> None:
     """Check ``feeds`` against the signature ``specs`` before a runtime sees them.
 
-    Checks: every input given and no other; element type equal to the declared one; rank and every static
+    Checks: every input given (those with a ``default`` may be left out) and no other; element type equal to the declared one; rank and every static
     dim equal; one size per symbolic dim name across all inputs; token ids (``token_input``) in
     ``[0, vocab)`` when ``vocab`` is known.
 
@@ -249,7 +249,7 @@ def validate_feeds(specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray],
         InputError: one line naming ``where``, the input and what was expected.
     """
     names = [s.name for s in specs]
-    missing = [n for n in names if n not in feeds]
+    missing = [s.name for s in specs if s.name not in feeds and not s.default]
     if missing:
         raise InputError(f"{where}: missing input '{missing[0]}' (inputs: {', '.join(names)})")
     extra = [n for n in feeds if n not in names]
@@ -257,6 +257,8 @@ def validate_feeds(specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray],
         raise InputError(f"{where}: unexpected input '{extra[0]}' (inputs: {', '.join(names)})")
     bound: dict[str, tuple[int, str]] = {}
     for spec in specs:
+        if spec.name not in feeds:  # an input with a default, left out
+            continue
         arr = np.asarray(feeds[spec.name])
         if spec.dtype and arr.dtype != spec.np_dtype:
             raise InputError(f"{where}: input '{spec.name}' is {arr.dtype}, expected {spec.np_dtype}")

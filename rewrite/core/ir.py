@@ -61,6 +61,9 @@ class Value:
         base_dir: directory against which external data locations resolve.
         info: the original ValueInfoProto, kept so an unchanged value is written back byte for byte.
         non_tensor_type: the original TypeProto when the value is not a plain tensor (sequence, optional, map).
+        overridable: an initializer also listed in ``graph.input``: a default the caller may replace at run time
+            (ONNX IR spec, "Graphs": initializers named among the inputs are their default values). Its data is
+            not a constant (:meth:`Graph.const` returns None) until :meth:`Graph.freeze_inputs`.
     """
 
     name: str
@@ -70,6 +73,7 @@ class Value:
     base_dir: str = ""
     info: onnx.ValueInfoProto | None = None
     non_tensor_type: onnx.TypeProto | None = None
+    overridable: bool = False
     _const_cache: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -232,7 +236,7 @@ class Graph:
         self.nodes: dict[int, Node] = {}
         self.values: dict[str, Value] = {}
         self.producer: dict[str, tuple[int, int]] = {}  # value name -> (node id or SOURCE, out port)
-        self.inputs: list[str] = []  # graph inputs (not initializers), in order
+        self.inputs: list[str] = []  # graph inputs in order (overridable initializers among them)
         self.outputs: list[str] = []
         self.initializers: list[str] = []  # in original order; new ones appended
         self.name = ""
@@ -299,9 +303,10 @@ class Graph:
         return value in self.outputs
 
     def const(self, value: str) -> np.ndarray | None:
-        """Data of ``value`` when it is an initializer or the output of a Constant node, else None."""
+        """Data of ``value`` when it is an initializer or the output of a Constant node, else None (also for an
+        initializer that is a graph input: its data is only a default, see :attr:`Value.overridable`)."""
         v = self.values.get(value)
-        if v is None:
+        if v is None or v.overridable:
             return None
         if v.is_initializer:
             return v.const()
@@ -316,6 +321,22 @@ class Graph:
                 v._const_cache = np.asarray(n.attr(a.name), dtype=dtype)
             return v._const_cache
         return None
+
+    def overridable_inputs(self) -> list[str]:
+        """Graph inputs whose initializer is their default (:attr:`Value.overridable`), in input order."""
+        return [n for n in self.inputs if self.values[n].overridable]
+
+    def freeze_inputs(self) -> list[str]:
+        """Make every overridable input a constant: its initializer stays, the graph input goes (the interface
+        changes: callers can no longer pass it). Returns the names, in input order."""
+        frozen = self.overridable_inputs()
+        for name in frozen:
+            self.values[name].overridable = False
+            self.values[name].info = None  # its declaration was the input's
+        self.inputs = [n for n in self.inputs if n not in set(frozen)]
+        if frozen and self.model_shell.ir_version < 4:
+            self.model_shell.ir_version = 4  # IR 3 wants every initializer among the inputs; IR 4 allows this
+        return frozen
 
     def nodes_by_op(self, op_type: str, domain: str = "") -> list[Node]:
         return sorted((n for n in self.nodes.values() if n.op_type == op_type and n.domain == domain), key=lambda n: n.order)

@@ -219,7 +219,8 @@ class Matcher:
             else:
                 data = g.const(val)
                 if data is None:
-                    self.trace.deeper(b) and self.trace.fail(f"'{vp.name}' ({val}) is not a constant", b, g)
+                    why = " (a graph input with a default: --freeze-inputs makes it one)" if val in g.values and g.values[val].overridable else ""
+                    self.trace.deeper(b) and self.trace.fail(f"'{vp.name}' ({val}) is not a constant{why}", b, g)
                     return
                 if vp.value is not None:
                     want = np.asarray(vp.value)

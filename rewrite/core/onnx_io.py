@@ -137,9 +137,9 @@ def _from_model(model: onnx.ModelProto, base_dir: str) -> Graph:
         g.producer.setdefault(name, (SOURCE, 0))
     for vi in gp.input:
         dt, shape, other = _type_of(vi)
-        if vi.name in g.values:  # an input with an initializer as its default (IR < 4 style)
+        if vi.name in g.values:  # an input with an initializer as its default (every initializer in IR < 4)
             v = g.values[vi.name]
-            v.info = vi
+            v.info, v.overridable = vi, v.is_initializer
         else:
             g.values[vi.name] = Value(name=vi.name, dtype=dt, shape=shape, info=vi, non_tensor_type=other)
             g.producer[vi.name] = (SOURCE, 0)
@@ -221,7 +221,10 @@ def to_model(g: Graph, *, skeleton_bytes: int | None = None) -> onnx.ModelProto:
         vi = g.values[name].to_value_info() or onnx.ValueInfoProto(name=name)
         gp.input.append(vi)
     for name in g.initializers:
-        t = g.values[name].initializer
+        v = g.values[name]
+        t = v.initializer
+        if skeleton_bytes is not None and v.overridable:
+            continue  # a default is not a constant: inference must not fold it (the input declares its type)
         if skeleton_bytes is not None and (t.data_location == onnx.TensorProto.EXTERNAL or _tensor_nbytes(t) > skeleton_bytes):
             if name not in g.inputs:
                 gp.input.append(onnx.helper.make_tensor_value_info(name, t.data_type, list(t.dims)))

@@ -169,6 +169,9 @@ def widen_4bit_initializers(graph: Graph) -> list[str]:
         v = graph.values[name]
         if v.dtype not in _WIDEN_4BIT:
             continue
+        if v.overridable:
+            raise RewriteError(f"graph input '{name}' is a 4-bit tensor with an initializer default; re-encoding it would "
+                               "change the input's type (--freeze-inputs makes it a constant, which can be re-encoded)")
         data = v.const().astype(_WIDEN_4BIT[v.dtype][1])
         t = onnx.numpy_helper.from_array(data, name)
         v.initializer = t
