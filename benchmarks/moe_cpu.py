@@ -9,7 +9,7 @@ b. ``ort-fused``: transformers' exporter with ``OnnxConfig(dynamic=True, ort_fus
 c. ``ort-fused-4bit``: (b) after ORT's ``MatMulNBitsQuantizer`` (block 128, 4-bit; it leaves the experts float);
 d. ``rewrite-ort-moe`` (``--plugins moe``: com.microsoft MoE, float) and ``rewrite-ort-q4x-moe``
    (``quant4,moe`` with ``quant4.experts_only``: QMoE with INT4 experts, quant4 block 128 run as
-   QMoE block 64 (moe_lowering.ORT_MAX_BLOCK), dense weights float like (c)'s
+   QMoE block 64 (rewrite.core.int4.ORT_MAX_BLOCK), dense weights float like (c)'s
    experts are) and ``rewrite-ort-q4-moe`` (``quant4,moe``, dense weights INT4 too, which the ``ort`` backend
    lowers to com.microsoft MatMulNBits) on ORT;
 f. ``rewrite-ort-fused-q4-moe``: ``quant4,moe`` (dense weights INT4 too) applied to (b), the

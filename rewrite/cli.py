@@ -128,7 +128,7 @@ def _names(names: list[str], shown: int = 6) -> str:
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--plugins", "plugin_names", default="", help="Comma-separated short names, applied in order (see 'rewrite plugins').")
 @click.option("--backend", type=click.Choice(["ort", "iree"]), default="ort", show_default=True)
-@click.option("--target", default=None, help="ort: cpu; iree: llvm-cpu (default) or cuda.")
+@click.option("--target", default=None, help="ort: cpu (default) or cuda; iree: llvm-cpu (default) or cuda.")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Output folder (replaced); required unless --dry-run.")
 @click.option("--dim", "dims", multiple=True, help="Fix a symbolic dim, NAME=INT (repeatable).")
 @click.option("--opt", "opts", multiple=True, metavar="PLUGIN.KEY=VALUE", help="A plugin option, e.g. quant4.block_size=64 (repeatable).")

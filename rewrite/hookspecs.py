@@ -12,6 +12,12 @@ and that module implements::
     @hookimpl
     def rewrite_plugins():
         return [RMSNormFusion()]
+
+A package may also (or only) add lowerings of existing abstract ops for more targets::
+
+    @hookimpl
+    def rewrite_lowerings():
+        return [Lowering("MoERouterTopK", "iree", ("cuda",), lower_router_cuda, origin="my_package")]
 """
 
 from __future__ import annotations
@@ -28,4 +34,13 @@ def rewrite_plugins() -> list:
     """Return the :class:`rewrite.plugins.base.Plugin` objects this module provides.
 
     :return: a list of plugin instances; their ``short`` names must be unique across all packages.
+    """
+
+
+@hookspec
+def rewrite_lowerings() -> list:
+    """Return :class:`rewrite.core.lowering.Lowering` objects for abstract ops of any package (a lowering for
+    another backend target, say ``iree:cuda``, of a built-in op).
+
+    :return: a list of lowerings; one (op, backend, target) may be claimed by one lowering only.
     """

@@ -11,33 +11,22 @@ import os
 import shutil
 import socket
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rewrite.backends import get_backend
 from rewrite.backends.base import MANIFEST, Manifest
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN
-from rewrite.core.driver import PluginReport, run_plugin
+from rewrite.core.driver import PluginReport, RewriteContext, run_plugin  # noqa: F401 (RewriteContext: re-exported)
 from rewrite.core.interface import DecoderInterface, decoder_interface
 from rewrite.core.ir import Graph
 from rewrite.core.shapes import infer_shapes
 from rewrite.errors import BackendError, RewriteError, UnsupportedModelError
 from rewrite.plugins.base import Plugin
-from rewrite.plugins.manager import select_plugins
+from rewrite.plugins.manager import lowering_registry, select_plugins
 
 #: Domains whose ops ONNX Runtime or the ONNX spec define; others must be model-local functions.
 KNOWN_DOMAINS = frozenset({DOMAIN, "", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "ai.onnx.preview", "com.microsoft", "com.microsoft.nchwc", "org.pytorch.aten", "com.ms.internal.nhwc"})
-
-
-@dataclass
-class RewriteContext:
-    """Options shared by the plugins of one run (backend they lower for, user dims, plugin options)."""
-
-    backend: str = "ort"
-    target: str = "cpu"
-    dims: dict[str, int] = field(default_factory=dict)
-    options: dict = field(default_factory=dict)
 
 
 def check_model(graph: Graph, plugins: list[Plugin], where: str) -> None:
@@ -74,7 +63,7 @@ def check_output_folder(out_dir: Path, model_path: Path) -> None:
 
 
 #: option keys read by the backends; every other key names a plugin whose options it holds
-BACKEND_OPTIONS = frozenset({"stateful", "param_threshold", "abstract_ops", "ort_matmul_nbits"})
+BACKEND_OPTIONS = frozenset({"stateful", "param_threshold", "ort_matmul_nbits"})
 
 
 def check_options(options: dict, plugins: list[Plugin]) -> None:
@@ -95,6 +84,14 @@ def rewrite_graph(graph: Graph, plugins: list[Plugin], ctx: RewriteContext, *, d
         if not dry_run:
             graph.remove_unused_initializers()
     return reports
+
+
+def abstract_ops_in(graph: Graph) -> dict[str, str]:
+    """Each abstract op type in ``graph`` -> its first node's description (for messages), in graph order."""
+    out: dict[str, str] = {}
+    for n in sorted((n for n in graph.nodes.values() if n.domain == DOMAIN), key=lambda n: n.order):
+        out.setdefault(n.op_type, f"at node {n.display_name!r}")
+    return out
 
 
 def _decoder_json(iface: DecoderInterface | None, manifest: Manifest) -> dict | None:
@@ -174,6 +171,8 @@ def apply(
     check_options(options or {}, selected)
     ctx = RewriteContext(backend=backend, target=target, dims=dict(dims or {}), options=dict(options or {}))
     reports = rewrite_graph(graph, selected, ctx)
+    lowerings = lowering_registry()
+    lowerings.check(abstract_ops_in(graph), backend, target)  # before anything is written
     infer_shapes(graph)  # types for the values the plugins created, which the IREE importer needs
     out_dir = Path(out_dir)
     check_output_folder(out_dir, Path(model_path))
@@ -193,7 +192,7 @@ def apply(
         )
         iface = decoder_interface(graph)  # before lowering: abstract ops still say which axis a cache is written on
         try:
-            be.lower(graph, tmp, manifest, options=ctx.options)
+            be.lower(graph, tmp, manifest, options=ctx.options, lowerings=lowerings.for_target(backend, target))
         except BackendError as e:
             if not (tmp / "compile.log").exists():
                 raise

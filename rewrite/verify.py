@@ -28,7 +28,7 @@ from rewrite.core.feeds import make_feeds
 from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.shapes import infer_shapes
 from rewrite.errors import RewriteError
-from rewrite.plugins.manager import available_plugins
+from rewrite.plugins.manager import available_plugins, lowering_registry
 
 REL_TOL = {onnx.TensorProto.FLOAT: 1e-4, onnx.TensorProto.DOUBLE: 1e-7, onnx.TensorProto.FLOAT16: 1e-2, onnx.TensorProto.BFLOAT16: 1e-2}
 
@@ -185,7 +185,8 @@ def locate(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.nd
         pfolder = tmp / "lowered_probe"
         pfolder.mkdir()
         pm = Manifest(backend=manifest.backend, target=manifest.target, source_model=manifest.source_model)
-        get_backend(manifest.backend).lower(low_probe, pfolder, pm, options={})
+        get_backend(manifest.backend).lower(low_probe, pfolder, pm, options={},
+                                            lowerings=lowering_registry().for_target(manifest.backend, manifest.target))
         pm.write(pfolder)
         got = load_runner(pfolder).run({k: feeds[k] for k in [d["name"] for d in pm.inputs]})
     finally:

@@ -33,7 +33,7 @@ from rewrite.backends.ort import OrtRunner, lower_abstract_ops
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.pipeline import apply
-from rewrite.plugins.router_op import MoERouterTopK
+from rewrite.plugins.router.op import MoERouterTopK
 
 _RANGES = {TP.UINT4: (0, 16), TP.INT4: (-8, 8), TP.UINT8: (0, 256), TP.INT8: (-128, 128)}
 _SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -154,7 +154,7 @@ def test_router_ort_lowering_equals_the_reference(sample):
                           [helper.make_tensor_value_info("w", helper.np_dtype_to_tensor_dtype(w.dtype), list(w.shape)),
                            helper.make_tensor_value_info("i", TP.INT64, list(i.shape))])
     graph = onnx_io.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)]))
-    lower_abstract_ops(graph, {"MoERouterTopK": MoERouterTopK()})
+    lower_abstract_ops(graph, {"MoERouterTopK": MoERouterTopK().lower_ort})
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -197,7 +197,7 @@ def moe_samples(draw, iree: bool = False):
     without zero points (absent: 8), partial last blocks, every mode, renormalized or not, biases, gpt-oss's
     clamped SwiGLU, T = 0 (an empty batch) to 5 tokens. ``iree``: only what the IREE kernels take (INT4 with
     zero points, both biases or neither)."""
-    from rewrite.plugins.moe_lowering import pack_int4
+    from rewrite.plugins.moe.lowering import pack_int4
 
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     dtype = draw(st.sampled_from([np.float32, np.float16]))
@@ -234,7 +234,7 @@ def moe_samples(draw, iree: bool = False):
 
 
 def _moe_reference(attrs: dict, hidden, scores, weights) -> np.ndarray:
-    from rewrite.plugins.moe_lowering import FusedMoE
+    from rewrite.plugins.moe.lowering import FusedMoE
 
     logits, ids = scores, None
     if attrs["mode"] == "routed":
@@ -249,7 +249,7 @@ def _moe_reference(attrs: dict, hidden, scores, weights) -> np.ndarray:
 
 
 def _check_moe(sample, backend: str, workdir) -> None:
-    from rewrite.plugins.moe_lowering import FusedMoE
+    from rewrite.plugins.moe.lowering import FusedMoE
     from rewrite.testing.conformance import lower_graph
 
     attrs, hidden, scores, weights = sample

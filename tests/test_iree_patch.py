@@ -17,6 +17,7 @@ from rewrite.core.abstract_ops import DOMAIN, AbstractOp
 from rewrite.core.kernels import build_cpu_object
 from rewrite.core.rules import Builder
 from rewrite.pipeline import apply
+from rewrite.testing.conformance import registered_lowerings
 
 ROWMAX_C = textwrap.dedent(
     """
@@ -60,7 +61,7 @@ class RowMax(AbstractOp):
         exe = f"""
   stream.executable private @test_rowmax_exec attributes {{
     hal.executable.objects = #hal.executable.objects<{{
-      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{self.obj}"}}>]
+      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{ctx.object_path(self.obj)}"}}>]
     }}>
   }} {{
     stream.executable.export public @rowmax workgroups(%n: index) -> (index, index, index) {{
@@ -95,7 +96,7 @@ class RowMax(AbstractOp):
     %v, %i = flow.dispatch @test_rowmax_exec::@rowmax[%n](%flat, %n, %e, %scale) : (tensor<?xf32>{{%ne}}, index, index, f32) -> (tensor<?xf32>{{%n}}, tensor<?xi64>{{%n}})
     %out0 = tensor.expand_shape %v [[0, 1]] output_shape [%n, 1] : tensor<?xf32> into tensor<?x1xf32>
     %out1 = tensor.expand_shape %i [[0, 1]] output_shape [%n, 1] : tensor<?xi64> into tensor<?x1xi64>"""
-        return IreeLowering(body=body, module_items={"test_rowmax_exec": exe}, kernel_objects=[str(self.obj)])
+        return IreeLowering(body=body, module_items={"test_rowmax_exec": exe})
 
 
 def rowmax_model(path):
@@ -130,9 +131,11 @@ def test_find_operators_parses_results_attrs_and_types(tmp_path):
 def test_abstract_op_lowered_per_backend_matches_reference(tmp_path, rowmax_op, backend):
     model = rowmax_model(tmp_path / "m.onnx")
     out = tmp_path / backend
-    m = apply(model, out, backend=backend, options={"abstract_ops": {RowMax.op_type: rowmax_op}})
+    with registered_lowerings(rowmax_op.lowerings()):
+        m = apply(model, out, backend=backend)
     if backend == "iree":
-        assert m.kernel_objects == [str(rowmax_op.obj)]
+        assert m.kernel_objects == [f"kernels/{rowmax_op.obj.name}"]
+        assert (out / m.kernel_objects[0]).read_bytes() == rowmax_op.obj.read_bytes()
         assert "flow.dispatch @test_rowmax_exec::@rowmax" in (out / "model.mlir").read_text()
     else:
         assert [n.op_type for n in onnx.load(out / "model.onnx").graph.node] == ["Relu", "ReduceMax", "Mul", "ArgMax", "Add"]

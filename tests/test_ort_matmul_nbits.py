@@ -21,7 +21,7 @@ from rewrite.core import onnx_io
 from rewrite.core.driver import run_plugin
 from rewrite.core.shapes import infer_shapes
 from rewrite.pipeline import RewriteContext, apply
-from rewrite.plugins.moe_lowering import ORT_MAX_BLOCK
+from rewrite.plugins.moe.lowering import ORT_MAX_BLOCK
 from rewrite.plugins.quant4 import Quant4
 
 _NP = {TP.FLOAT: np.float32, TP.FLOAT16: np.float16}
@@ -145,7 +145,7 @@ def test_ort_folder_runs_qdq_matmuls_as_verified(tmp_path, codes_type, attrs):
     Runtime's own "all" level into MatMulNBits, by default with int8 activations (0.4-0.7 % off). The folder
     records the session it runs with, and that session keeps float activations: verify passes."""
     from rewrite.backends.base import Manifest
-    from rewrite.backends.ort import FOLDER_SESSION
+    from rewrite.backends.ort import folder_session
     from rewrite.verify import verify
 
     k, n = 256, 64
@@ -164,7 +164,7 @@ def test_ort_folder_runs_qdq_matmuls_as_verified(tmp_path, codes_type, attrs):
     onnx.save(m, src)
     out = tmp_path / "ort"
     apply(src, out, plugins="cast", backend="ort")
-    assert Manifest.read(out).session == FOLDER_SESSION
+    assert Manifest.read(out).session == folder_session("cpu")
     res = verify(src, out)
     assert all(c.ok for c in res), [c.line() for c in res]
 

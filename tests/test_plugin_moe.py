@@ -17,7 +17,8 @@ from onnx import helper, numpy_helper
 from rewrite.backends import load_runner
 from rewrite.core.kernels import kernel_source
 from rewrite.pipeline import apply
-from rewrite.plugins.moe_lowering import FusedMoE, pack_int4, route
+from rewrite.plugins.moe import lowering
+from rewrite.plugins.moe.lowering import FusedMoE, pack_int4, route
 from rewrite.testing.pytest_plugin import conformance_params
 
 FLAGS = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64}
@@ -25,9 +26,9 @@ FLAGS = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    """plugin_kernels/moe/moe_cpu.c as a shared library, to call each kernel directly."""
+    """rewrite/plugins/moe/kernels/moe_cpu.c as a shared library, to call each kernel directly."""
     so = tmp_path_factory.mktemp("moe_so") / "moe_cpu.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O3", "-march=x86-64-v2", str(kernel_source("moe", "moe_cpu.c")), "-o", str(so)], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O3", "-march=x86-64-v2", str(kernel_source(lowering.__file__, "moe_cpu.c")), "-o", str(so)], check=True)
     return ctypes.CDLL(str(so))
 
 

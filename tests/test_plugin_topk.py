@@ -32,7 +32,8 @@ from rewrite.core.shapes import infer_shapes
 from rewrite.errors import BackendError
 from rewrite.pipeline import apply
 from rewrite.plugins.router import RouterTopK, _router_model
-from rewrite.plugins.router_op import _KERNEL_FLAGS, MoERouterTopK, router_topk_reference
+from rewrite.plugins.router import op
+from rewrite.plugins.router.op import _KERNEL_FLAGS, MoERouterTopK, router_topk_reference
 from rewrite.testing.pytest_plugin import conformance_params
 from rewrite.verify import verify
 
@@ -43,7 +44,7 @@ PLUGIN = RouterTopK()
 @pytest.fixture(scope="module")
 def kernel_lib(tmp_path_factory):
     """The kernel object exactly as IREE links it, wrapped into a shared library for ctypes."""
-    obj = build_cpu_object(kernel_source("topk", "router_topk.c"), extra_flags=_KERNEL_FLAGS)
+    obj = build_cpu_object(kernel_source(op.__file__, "router_topk.c"), extra_flags=_KERNEL_FLAGS)
     undefined = subprocess.run(["nm", "-u", str(obj)], capture_output=True, text=True, check=True).stdout.split()
     assert undefined == []  # nothing from libc/libm: IREE's embedded ELF loader has none
     so = tmp_path_factory.mktemp("k") / "router_topk.so"
@@ -166,7 +167,7 @@ def test_ort_lowering_rejects_an_unknown_mode_naming_the_node():
         opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
     g = onnx_io.load(model)
     with pytest.raises(BackendError, match="r0.*mode='sort'"):
-        lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK()})
+        lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK().lower_ort})
 
 
 # ------------------------------------------------------------------------------- declared cases
@@ -209,12 +210,12 @@ def test_positive_cases_become_one_op_and_lower_to_standard_onnx_for_ort(case):
         assert len(ops) == len(before)
         if n == before.count("TopK"):  # every TopK replaced in place
             assert ops == [("MoERouterTopK" if o == "TopK" else o) for o in before]
-        lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK()})
+        lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK().lower_ort})
         assert sorted(n.op_type for n in g.topo_nodes()) == sorted(before)
         return
     if "grouped-router" in case.matches:  # the whole router is one op; ORT gets standard ONNX with as many TopKs
         assert ops == ["MoERouterTopK", "Identity", "Identity"]
-        lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK()})
+        lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK().lower_ort})
         lowered = [n.op_type for n in g.topo_nodes()]
         assert "MoERouterTopK" not in lowered and lowered.count("TopK") == before.count("TopK")
         assert lowered.count("Sigmoid") == before.count("Sigmoid") and lowered.count("Softmax") == before.count("Softmax")
@@ -222,7 +223,7 @@ def test_positive_cases_become_one_op_and_lower_to_standard_onnx_for_ort(case):
     assert ops.count("MoERouterTopK") == 1 and "TopK" not in ops and "Softmax" not in ops and "Cast" not in ops
     renorm = any(r.endswith("-renorm") for r in case.matches)  # ReduceSum and Div absorbed too
     assert len(ops) == len(before) - 1 - before.count("Cast") - 2 * renorm
-    lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK()})
+    lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK().lower_ort})
     lowered = [n.op_type for n in g.topo_nodes()]
     assert lowered.count("TopK") == 1 and lowered.count("Softmax") == 1 and lowered.count("Div") == before.count("Div")
 
@@ -269,7 +270,7 @@ def test_qwen3_moe_renormalized_router_on_iree_decodes_like_ort(qwen3_moe_tiny, 
 def test_grouped_router_reading_keeps_the_group_limit(e, n_group, topk_group, k, tokens):
     """Readings that ignore the group limit agree with the true one on most tokens; the check must still take
     the graph's own groups, so that the fused router routes every token as the original does."""
-    from rewrite.plugins.router_grouped import grouped_router_model
+    from rewrite.plugins.router.grouped import grouped_router_model
 
     model = grouped_router_model(e=e, n_group=n_group, topk_group=topk_group, k=k, tokens=tokens)
     g = onnx_io.load(model)
@@ -278,7 +279,7 @@ def test_grouped_router_reading_keeps_the_group_limit(e, n_group, topk_group, k,
     assert rep.rule("grouped-router").matches == 1
     (op,) = [n for n in g.nodes.values() if n.op_type == "MoERouterTopK"]
     assert (op.attr("n_group"), op.attr("topk_group")) == (n_group, topk_group)
-    lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK()})
+    lower_abstract_ops(g, {MoERouterTopK.op_type: MoERouterTopK().lower_ort})
     import onnxruntime as ort
 
     so = ort.SessionOptions()

@@ -113,8 +113,10 @@ class Backend(Protocol):
     name: str
     targets: tuple[str, ...]
 
-    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
-        """Write the lowered model into ``folder`` and fill in ``manifest`` (files, inputs, outputs, ...)."""
+    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict, lowerings: dict) -> None:
+        """Write the lowered model into ``folder`` and fill in ``manifest`` (files, inputs, outputs, ...);
+        ``lowerings`` maps each abstract op_type to its lowering function for ``manifest.target``
+        (:meth:`rewrite.core.lowering.LoweringRegistry.for_target`)."""
         ...
 
     def load(self, folder: Path, manifest: Manifest) -> Runner: ...

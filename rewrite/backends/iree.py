@@ -17,12 +17,12 @@ from rewrite.backends.base import Manifest, check_feeds
 from rewrite.backends.iree_patch import PatchContext, patch_module, unlowered_ops
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io
-from rewrite.core.abstract_ops import DOMAIN, registered_ops
+from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.analysis import REDUCE_OPS, known_before_run
 from rewrite.core.feeds import input_specs, specs_of
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
-from rewrite.stateful import make_module_stateful
+from rewrite.backends.iree_stateful import make_module_stateful
 
 DEFAULT_PARAM_THRESHOLD = 4096  #: initializers with at least this many elements go to the .irpa
 
@@ -113,7 +113,8 @@ class IreeBackend:
     name = "iree"
     targets = ("llvm-cpu", "cuda")
 
-    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
+    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict, lowerings: dict) -> None:
+        """``lowerings``: op_type -> IREE lowering function for ``manifest.target``."""
         refuse_unsupported(graph)
         onnx_path = folder / manifest.model
         if not graph.name:  # the importer names the entry function after the graph and rejects ""
@@ -133,14 +134,13 @@ class IreeBackend:
         finally:
             if import_path != onnx_path:
                 import_path.unlink(missing_ok=True)
-        ops = {**registered_ops(), **options.get("abstract_ops", {})}
         used = {n.op_type for n in graph.nodes.values() if n.domain == DOMAIN}
-        missing = sorted(used - set(ops))
+        missing = sorted(used - set(lowerings))
         if missing:
-            raise BackendError(f"no IREE lowering registered for abstract op(s) {', '.join(missing)}")
+            raise BackendError(f"no IREE lowering for {manifest.target} registered for abstract op(s) {', '.join(missing)}")
         if used:
             ctx = PatchContext(folder=folder, target=manifest.target)
-            mlir, _ = patch_module(res.mlir_path.read_text(), {t: ops[t].lower_iree for t in used}, ctx)
+            mlir, _ = patch_module(res.mlir_path.read_text(), {t: lowerings[t] for t in used}, ctx)
             left = unlowered_ops(mlir, used)
             if left:
                 raise BackendError(f"abstract op(s) {', '.join(left)} left in {res.mlir_path} after lowering")

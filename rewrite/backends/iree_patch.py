@@ -14,90 +14,19 @@ on llvm-cpu in IREE 3.13: ``hal.dispatch.extern`` crashes iree-compile there), a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, VTensor, split_types
 from rewrite.errors import BackendError
+
+__all__ = ["IreeLowering", "PatchContext", "TorchOperator", "VTensor", "find_operators", "patch_module", "split_resources",
+           "unlowered_ops"]
 
 _OP_RE = re.compile(
     r'^(?P<indent>\s*)(?P<res>%[\w.$#-]+)(?::(?P<count>\d+))? = torch\.operator "onnx\.(?P<op>\w+)"\((?P<args>[^)]*)\)\s*'
     r"(?:\{(?P<attrs>.*)\}\s*)?:\s*\((?P<in_types>.*?)\)\s*->\s*(?P<out_types>.+?)\s*$",
     re.M,
 )
-_VT_RE = re.compile(r"!torch\.vtensor<\[([^\]]*)\],(\w+)>")
-
-#: torch element type -> builtin (signless) element type (torch_c.to_builtin_tensor drops signedness)
-BUILTIN_ELEMENT = {"f32": "f32", "f16": "f16", "bf16": "bf16", "f64": "f64", "si64": "i64", "si32": "i32", "si16": "i16",
-                   "si8": "i8", "ui8": "i8", "i1": "i1", "ui16": "i16", "ui32": "i32", "ui64": "i64"}
-
-
-def _split_types(s: str) -> list[str]:
-    """Split a comma list of MLIR types, respecting <...> and [...] nesting."""
-    out, depth, cur = [], 0, ""
-    for ch in s.strip().strip("()"):
-        if ch in "<[(":
-            depth += 1
-        elif ch in ">])":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
-
-
-@dataclass
-class VTensor:
-    """A ``!torch.vtensor`` type: dims (int or None for ``?``) and torch element type."""
-
-    dims: list[int | None]
-    element: str
-    text: str
-
-    @classmethod
-    def parse(cls, text: str) -> "VTensor":
-        if text.strip() == "!torch.none":  # an absent optional input: element "none", no builtin tensor
-            return cls([], "none", text.strip())
-        m = _VT_RE.fullmatch(text.strip())
-        if m is None:
-            raise BackendError(f"abstract op operand has type {text}; expected a !torch.vtensor (missing value_info?)")
-        dims = [None if d.strip() == "?" else int(d) for d in m.group(1).split(",") if d.strip()]
-        return cls(dims, m.group(2), text.strip())
-
-    @property
-    def builtin(self) -> str:
-        """``tensor<?x60xf32>``"""
-        el = BUILTIN_ELEMENT.get(self.element)
-        if el is None:
-            raise BackendError(f"no builtin element type for torch type {self.element}")
-        return "tensor<" + "".join(("?" if d is None else str(d)) + "x" for d in self.dims) + el + ">"
-
-    @property
-    def builtin_element(self) -> str:
-        return BUILTIN_ELEMENT[self.element]
-
-
-@dataclass
-class TorchOperator:
-    """One imported abstract-op line, parsed."""
-
-    op_type: str
-    result: str  # SSA base name, e.g. %1
-    num_results: int
-    operands: list[str]
-    attrs: dict[str, object]
-    operand_types: list[VTensor]
-    result_types: list[VTensor]
-    line: str
-
-    @property
-    def results(self) -> list[str]:
-        return [self.result] if self.num_results == 1 else [f"{self.result}#{k}" for k in range(self.num_results)]
-
 
 def _parse_attrs(s: str | None) -> dict[str, object]:
     out: dict[str, object] = {}
@@ -134,40 +63,12 @@ def find_operators(mlir: str, op_types: set[str] | None = None) -> list[TorchOpe
                 num_results=int(m.group("count") or 1),
                 operands=args,
                 attrs=_parse_attrs(m.group("attrs")),
-                operand_types=[VTensor.parse(t) for t in _split_types(m.group("in_types"))],
-                result_types=[VTensor.parse(t) for t in _split_types(outs if outs.startswith("(") else f"({outs})")],
+                operand_types=[VTensor.parse(t) for t in split_types(m.group("in_types"))],
+                result_types=[VTensor.parse(t) for t in split_types(outs if outs.startswith("(") else f"({outs})")],
                 line=m.group(0),
             )
         )
     return ops
-
-
-@dataclass
-class IreeLowering:
-    """What an abstract op's IREE lowering returns.
-
-    Attributes:
-        body: MLIR statements of the wrapper function. Operand ``k`` is available as the builtin tensor
-            ``%in{k}`` (and its dims as ``%in{k}_d{axis}`` index values for dynamic axes; an absent operand,
-            ``!torch.none``, has neither); the body must define
-            ``%out{k}`` builtin tensors of the result types.
-        module_items: top-level MLIR (``stream.executable``, ``util.global``) keyed by a name, emitted once.
-        kernel_objects: object files (absolute paths) the items reference, recorded in the manifest.
-    """
-
-    body: str
-    module_items: dict[str, str] = field(default_factory=dict)
-    kernel_objects: list[str] = field(default_factory=list)
-
-
-@dataclass
-class PatchContext:
-    """Where and for what the module is being patched."""
-
-    folder: Path
-    target: str
-    opset_version: int = 17
-    _kernel_objects: list[str] = field(default_factory=list)
 
 
 def _wrapper(name: str, op: TorchOperator, low: IreeLowering, opset: int) -> str:
@@ -220,7 +121,6 @@ def patch_module(mlir: str, lowerers: dict[str, Callable[[TorchOperator, PatchCo
         except Exception as e:  # a lowering bug must still name the op, not end in a traceback
             raise BackendError(f"IREE lowering of {op.op_type} ({op.result} = ...) failed: {type(e).__name__}: {e}") from e
         items.update(low.module_items)
-        ctx._kernel_objects.extend(o for o in low.kernel_objects if o not in ctx._kernel_objects)
         name = f"rewrite_{op.op_type}_{k}"
         wrappers.append(_wrapper(name, op, low, opset))
         res = op.result if op.num_results == 1 else f"{op.result}:{op.num_results}"

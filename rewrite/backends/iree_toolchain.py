@@ -22,6 +22,7 @@ Facts about the importer (iree-base-compiler 3.13) that callers rely on:
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -32,7 +33,6 @@ from pathlib import Path
 
 import iree.runtime as rt
 import numpy as np
-from iree.compiler.tools.binaries import find_tool
 
 from rewrite.backends.errors import BackendError, IreeCompileError, IreeImportError, IreeRuntimeError
 
@@ -194,7 +194,8 @@ def compile_mlir(
             "missing GPU target").
 
     The full compiler output, preceded by the command line, is written to ``compile.log`` next to
-    ``vmfb_path`` (overwritten by every compile into that directory).
+    ``vmfb_path`` (overwritten by every compile into that directory). iree-compile runs in ``mlir_path``'s
+    folder: relative object paths in the MLIR (``#hal.executable.object<{path = "kernels/x.o"}>``) resolve there.
 
     Raises:
         ValueError: ``target`` is unknown.
@@ -208,8 +209,10 @@ def compile_mlir(
     vmfb_path.unlink(missing_ok=True)
     overridden = {flag.split("=", 1)[0] for flag in extra_flags}
     flags = [f for f in _TARGET_FLAGS[target] if f.split("=", 1)[0] not in overridden] + list(extra_flags)
-    cmd = [_iree_compile_binary(), str(mlir_path), "-o", str(vmfb_path), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # run in the MLIR's folder with relative paths: kernel objects the MLIR names relative to its folder
+    # resolve there, and neither the log nor the module's locations record where the folder was made
+    cmd = [_iree_compile_binary(), mlir_path.name, "-o", os.path.relpath(vmfb_path, mlir_path.parent), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=mlir_path.parent)
     log_path = vmfb_path.parent / "compile.log"
     log_path.write_text(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0 or not vmfb_path.exists():
@@ -221,7 +224,10 @@ def compile_mlir(
 
 def _iree_compile_binary() -> str:
     # The binary shipped inside the iree-base-compiler wheel: independent of PATH, and it skips the
-    # pyenv/console-script shim that `iree-compile` on PATH may be.
+    # pyenv/console-script shim that `iree-compile` on PATH may be. Imported here: running a compiled module
+    # needs only iree-base-runtime.
+    from iree.compiler.tools.binaries import find_tool
+
     return find_tool("iree-compile")
 
 

@@ -15,7 +15,7 @@ import onnxruntime as ort
 from rewrite.backends.base import Manifest, check_feeds
 from rewrite.backends.ort_matmul_nbits import lower_matmul_nbits
 from rewrite.core import onnx_io
-from rewrite.core.abstract_ops import DOMAIN, registered_ops
+from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.feeds import input_specs, specs_of
 from rewrite.core.interface import DecoderInterface
 from rewrite.core.ir import Graph
@@ -37,15 +37,34 @@ OPT_LEVELS = {
 #: computes what ``verify`` checked (measured: 0.4-0.7 % relative error at the default level 4, 0 at level 0)
 FOLDER_SESSION = {"optimize": "all", "config": {"session.qdq_matmulnbits_accuracy_level": "0"}}
 
+#: execution providers by target, in ORT's priority order (nodes the CUDA EP lacks a kernel for run on CPU)
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+#: sessions of ``--target cuda`` folders: the "basic" level (exact graph semantics), since the fusions of the
+#: higher levels on the CUDA EP are not what ``verify`` checks on a CPU machine
+CUDA_FOLDER_SESSION = {"optimize": "basic", "config": {}}
+
+
+def folder_session(target: str) -> dict:
+    """The session (``optimize``, ``config``, ``providers``) a folder for ``target`` records and runs with."""
+    base = CUDA_FOLDER_SESSION if target == "cuda" else FOLDER_SESSION
+    return {"optimize": base["optimize"], "config": dict(base["config"]), "providers": list(PROVIDERS[target])}
+
 
 def ort_session(model_path: str | Path, *, threads: int = 0, optimize: str = "all",
-                config: dict[str, str] | None = None) -> ort.InferenceSession:
-    """A CPU InferenceSession at optimization level ``optimize`` (see :data:`OPT_LEVELS`) with session config
-    entries ``config`` (ORT's ``SessionOptions.add_session_config_entry``).
+                config: dict[str, str] | None = None, providers: list[str] | None = None) -> ort.InferenceSession:
+    """An InferenceSession at optimization level ``optimize`` (see :data:`OPT_LEVELS`) with session config
+    entries ``config`` (ORT's ``SessionOptions.add_session_config_entry``) on ``providers`` (default CPU).
 
-    Raises BackendError with ORT's first message line on failure, or naming an unknown level."""
+    Raises BackendError with ORT's first message line on failure, naming an unknown level, or naming an
+    execution provider this onnxruntime build lacks (the CUDA EP needs onnxruntime-gpu)."""
     if optimize not in OPT_LEVELS:
         raise BackendError(f"{model_path}: ONNX Runtime optimization level {optimize!r}, expected one of {', '.join(OPT_LEVELS)}")
+    providers = list(providers or PROVIDERS["cpu"])
+    missing = [p for p in providers if p not in ort.get_available_providers()]
+    if missing:
+        raise BackendError(f"{model_path}: needs ONNX Runtime's {missing[0]}, which this onnxruntime lacks (it has "
+                           f"{', '.join(ort.get_available_providers())}); CUDA needs the onnxruntime-gpu package")
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if threads:
@@ -54,18 +73,19 @@ def ort_session(model_path: str | Path, *, threads: int = 0, optimize: str = "al
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, str(value))
     try:
-        return ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(model_path), so, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise BackendError(f"{model_path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}") from e
 
 
 class OrtRunner:
-    """Runs an ONNX file on the ONNX Runtime CPU execution provider."""
+    """Runs an ONNX file on ONNX Runtime (CPU execution provider unless ``providers`` says otherwise)."""
 
     def __init__(self, model_path: Path, *, threads: int = 0, optimize: str = "all",
-                 decoder: DecoderInterface | None = None, config: dict[str, str] | None = None):
+                 decoder: DecoderInterface | None = None, config: dict[str, str] | None = None,
+                 providers: list[str] | None = None):
         self.path = model_path
-        self.session = ort_session(model_path, threads=threads, optimize=optimize, config=config)
+        self.session = ort_session(model_path, threads=threads, optimize=optimize, config=config, providers=providers)
         self.decoder = decoder
         self.input_specs = input_specs(onnx_io.read_model(model_path).graph)
         self.input_names = [s.name for s in self.input_specs]
@@ -81,17 +101,18 @@ class OrtRunner:
         return dict(zip(names, res))
 
 
-def lower_abstract_ops(graph: Graph, ops: dict) -> int:
-    """Replace every abstract op by its ONNX Runtime lowering; returns how many were lowered.
+def lower_abstract_ops(graph: Graph, lowerings: dict) -> int:
+    """Replace every abstract op by its ONNX Runtime lowering (``lowerings``: op_type -> ``fn(graph, node)``, see
+    :mod:`rewrite.core.lowering`); returns how many were lowered.
 
     Raises BackendError naming the node when an op has no lowering."""
     count = 0
     for node in sorted((n for n in graph.nodes.values() if n.domain == DOMAIN), key=lambda n: n.order):
-        op = ops.get(node.op_type)
-        if op is None:
+        lower = lowerings.get(node.op_type)
+        if lower is None:
             raise BackendError(f"node {node.describe()}: no ONNX Runtime lowering registered for abstract op {node.op_type}")
         try:
-            op.lower_ort(graph, node)
+            lower(graph, node)
         except RewriteError:
             raise
         except Exception as e:  # a lowering bug must still name the node, not end in a traceback
@@ -105,10 +126,11 @@ def lower_abstract_ops(graph: Graph, ops: dict) -> int:
 
 class OrtBackend:
     name = "ort"
-    targets = ("cpu",)
+    targets = ("cpu", "cuda")
 
-    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict) -> None:
-        lower_abstract_ops(graph, {**registered_ops(), **options.get("abstract_ops", {})})
+    def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict, lowerings: dict) -> None:
+        """``lowerings``: op_type -> ORT lowering function for ``manifest.target``."""
+        lower_abstract_ops(graph, lowerings)
         if options.get("ort_matmul_nbits", True):  # backend option: keep DequantizeLinear->MatMul when False
             lower_matmul_nbits(graph)  # dense 4-bit DequantizeLinear -> MatMul: ORT runs that pair unfused
         path = folder / manifest.model
@@ -116,11 +138,12 @@ class OrtBackend:
         model = onnx_io.to_model(graph)
         manifest.inputs = [s.to_json() for s in input_specs(model.graph)]
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
-        manifest.session = {"optimize": FOLDER_SESSION["optimize"], "config": dict(FOLDER_SESSION["config"])}
-        ort_session(path, **manifest.session)  # fail at apply time, not at run time, if ORT cannot load the result
+        manifest.session = folder_session(manifest.target)
+        # fail at apply time, not at run time, if ORT cannot load the result (on CPU: this machine may have no GPU)
+        ort_session(path, optimize=manifest.session["optimize"], config=manifest.session["config"])
 
     def load(self, folder: Path, manifest: Manifest) -> OrtRunner:
         """The folder's model in the session its manifest records (:data:`FOLDER_SESSION` when it records none)."""
         session = manifest.session or FOLDER_SESSION
         return OrtRunner(folder / manifest.model, decoder=manifest.decoder_interface, optimize=session.get("optimize", "all"),
-                         config=session.get("config"))
+                         config=session.get("config"), providers=session.get("providers"))

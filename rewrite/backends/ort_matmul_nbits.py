@@ -15,7 +15,7 @@ the packed weight. Layout (that schema; ``onnxruntime/quantization/matmul_nbits_
   (quant4 ``symmetric``) are stored as ``code + 8`` with no zero points: MatMulNBits' default is 8; UINT4
   codes without zero points (ONNX's default zero point is 0) get explicit zero points of 0;
 * a block larger than ``ORT_MAX_BLOCK`` (64: faster on ORT 1.32's CPU kernel, see
-  :mod:`rewrite.plugins.moe_lowering`) is split into blocks of 64 that share its scale and zero point (exact);
+  :mod:`rewrite.plugins.moe.lowering`) is split into blocks of 64 that share its scale and zero point (exact);
 * attributes ``K``, ``N``, ``bits=4``, ``block_size``, ``accuracy_level=0``: A is neither quantized nor
   downcast, so the result is the float product of A and the dequantized weight (up to summation order).
 
@@ -35,7 +35,7 @@ from onnx import TensorProto
 
 from rewrite.core.ir import Graph, Node
 from rewrite.core.rules import Builder
-from rewrite.plugins.moe_lowering import ORT_MAX_BLOCK, _ensure_opset, pack_int4
+from rewrite.core.int4 import ORT_MAX_BLOCK, pack_int4
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 _CODES = {TensorProto.UINT4: 0, TensorProto.INT4: 8}  # code type -> offset to MatMulNBits' unsigned codes
@@ -159,6 +159,6 @@ def lower_matmul_nbits(graph: Graph) -> int:
         graph.remove_node(p.dq)
         count += 1
     if count:
-        _ensure_opset(graph, "com.microsoft")
+        graph.ensure_opset("com.microsoft")
         graph.remove_unused_initializers()  # the 4-bit codes, now repacked: do not ship the weights twice
     return count

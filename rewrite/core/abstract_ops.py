@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from rewrite.core.lowering import Lowering
+
 if TYPE_CHECKING:
-    from rewrite.backends.iree_patch import IreeLowering, PatchContext, TorchOperator
+    from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
     from rewrite.core.ir import Graph, Node
 
 DOMAIN = "ai.rewrite"  #: domain of every abstract op
@@ -32,6 +34,22 @@ class AbstractOp:
 
     op_type: ClassVar[str] = ""
     domain: ClassVar[str] = DOMAIN
+    #: targets :meth:`lower_ort` and :meth:`lower_iree` serve (:data:`rewrite.core.lowering.TARGETS`); when not
+    #: declared, ``("cpu",)`` and ``("llvm-cpu",)`` for an overridden method, none otherwise
+    ort_targets: ClassVar[tuple[str, ...] | None] = None
+    iree_targets: ClassVar[tuple[str, ...] | None] = None
+
+    def lowerings(self) -> list[Lowering]:
+        """The lowerings this op brings (:mod:`rewrite.core.lowering`): its methods on its declared targets.
+        Lowerings for other targets come from the ``rewrite_lowerings`` hook, in any package."""
+        out = []
+        for backend, method, declared, default in (("ort", "lower_ort", self.ort_targets, ("cpu",)),
+                                                     ("iree", "lower_iree", self.iree_targets, ("llvm-cpu",))):
+            overridden = getattr(type(self), method) is not getattr(AbstractOp, method)
+            targets = declared if declared is not None else (default if overridden else ())
+            if targets:
+                out.append(Lowering(self.op_type, backend, tuple(targets), getattr(self, method), origin=type(self).__module__))
+        return out
 
     def reference(self, attrs: dict, *inputs: np.ndarray) -> list[np.ndarray]:
         """numpy semantics of the op (the contract every lowering and kernel is tested against)."""
@@ -53,17 +71,3 @@ class AbstractOp:
     #: :meth:`reference` (float32 rtol 1e-4, float16 1e-2, integers exact). Each sample costs one compile on
     #: IREE (~2-4 s): keep the list short.
     sample_inputs: ClassVar = None
-
-
-def registered_ops() -> dict[str, AbstractOp]:
-    """Abstract ops of every available plugin (selected or not), by op_type.
-
-    A backend can thus lower a graph rewritten earlier, by plugins not selected in this run.
-    """
-    from rewrite.plugins.manager import available_plugins
-
-    out: dict[str, AbstractOp] = {}
-    for p in available_plugins().values():
-        for op in getattr(p, "abstract_ops", ()):
-            out[op.op_type] = op
-    return out

@@ -12,15 +12,31 @@ from __future__ import annotations
 import copy
 import gc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 from rewrite.core.ir import RULE_TAG, Graph
 from rewrite.core.matcher import Failure, Match, Matcher, MatchTrace
 from rewrite.core.rules import Builder, Rule
 from rewrite.errors import PluginError, RewriteError
 
-if TYPE_CHECKING:
-    from rewrite.plugins.base import Plugin
+
+
+class RunnablePlugin(Protocol):
+    """What :func:`run_plugin` needs of a plugin (:class:`rewrite.plugins.base.Plugin` is one)."""
+
+    short: str
+
+    def run(self, graph: Graph, report: "PluginReport", ctx: "RewriteContext | None" = None, *, dry_run: bool = False) -> None: ...
+
+
+@dataclass
+class RewriteContext:
+    """Options shared by the plugins of one run (backend and target they lower for, user dims, plugin options)."""
+
+    backend: str = "ort"
+    target: str = "cpu"
+    dims: dict[str, int] = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
 
 #: Passes over all rules before the driver stops even if rewrites still apply.
 MAX_ITERATIONS = 16
@@ -150,7 +166,7 @@ def _apply(graph: Graph, r: Rule, m: Match, plugin: str, rep: RuleReport) -> Non
     rep.nodes_added += len([n for n in b.created if n.id in graph.nodes])
 
 
-def run_plugin(graph: Graph, plugin: "Plugin", ctx: "object | None" = None, *, dry_run: bool = False) -> PluginReport:
+def run_plugin(graph: Graph, plugin: RunnablePlugin, ctx: RewriteContext | None = None, *, dry_run: bool = False) -> PluginReport:
     """Run one plugin all-or-nothing.
 
     Raises:

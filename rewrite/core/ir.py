@@ -338,6 +338,12 @@ class Graph:
             self.model_shell.ir_version = 4  # IR 3 wants every initializer among the inputs; IR 4 allows this
         return frozen
 
+    def ensure_opset(self, domain: str, version: int = 1) -> None:
+        """Declare ``domain`` in the model's opset imports when it is not (ORT refuses nodes of an undeclared
+        domain)."""
+        if self.opset(domain) is None:
+            self.model_shell.opset_import.add(domain=domain, version=version)
+
     def nodes_by_op(self, op_type: str, domain: str = "") -> list[Node]:
         return sorted((n for n in self.nodes.values() if n.op_type == op_type and n.domain == domain), key=lambda n: n.order)
 

@@ -3,8 +3,12 @@
 CPU kernels are bare-metal C compiled for IREE's embedded ELF loader (no libc, no TLS, no stack
 protector): ``gcc -ffreestanding -fPIC -fno-stack-protector -O2 -c``, linked into the executable through
 ``hal.executable.objects`` and called with the ``llvm.bareptr`` ABI (base pointer, then offset, per
-memref). The object's file name carries a hash of the source and flags, so a changed source is rebuilt and
-an unchanged one never is.
+memref). CUDA kernels are compiled with ``nvcc -ptx`` for one SM architecture (PTX for ``sm_80`` runs on
+sm_80 and later through the driver's JIT); a package may ship the PTX beside the source (``<stem>.<arch>.ptx``,
+first line ``// rewrite-kernel <digest>``) for machines without nvcc, used only while its digest matches the
+source. Every object's file name carries a hash of the source and flags, so a changed source is rebuilt and an
+unchanged one never is. The cache is ``$REWRITE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/rewrite/kernels``, else
+``~/.cache/rewrite/kernels``; output folders hold copies (:meth:`rewrite.backends.iree_patch.PatchContext.object_path`).
 """
 
 from __future__ import annotations
@@ -17,22 +21,30 @@ from pathlib import Path
 
 from rewrite.errors import BackendError
 
-KERNEL_ROOT = Path(__file__).resolve().parents[2] / "plugin_kernels"
 CPU_FLAGS = ("-ffreestanding", "-fPIC", "-fno-stack-protector", "-fno-builtin", "-O3", "-march=x86-64-v2", "-c")
+NVCC_FLAGS = ("-ptx", "-O3")
+DEFAULT_CUDA_ARCH = "sm_80"  #: PTX the H100/H200 (sm_90) and A100 (sm_80) drivers all JIT
+PTX_HEADER = "// rewrite-kernel "  #: first line of a shipped PTX file, then the digest of its source and flags
 
 
 def cache_dir() -> Path:
-    """``$REWRITE_KERNEL_CACHE`` or ``~/.cache/rewrite/kernels``."""
-    d = Path(os.environ.get("REWRITE_KERNEL_CACHE", Path.home() / ".cache" / "rewrite" / "kernels"))
+    """The kernel cache (see the module docstring), created if missing."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    d = Path(os.environ.get("REWRITE_KERNEL_CACHE") or Path(xdg) / "rewrite" / "kernels")
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
-def kernel_source(plugin: str, name: str) -> Path:
-    """``plugin_kernels/<plugin>/<name>``; raises BackendError when it is missing."""
-    p = KERNEL_ROOT / plugin / name
+def _digest(source: Path, flags: tuple[str, ...]) -> str:
+    return hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+
+
+def kernel_source(module_file: str, name: str) -> Path:
+    """``kernels/<name>`` beside the module ``module_file`` (pass ``__file__``): a plugin's kernel sources are
+    package data in its own folder. Raises BackendError when it is missing (a package built without them)."""
+    p = Path(module_file).resolve().parent / "kernels" / name
     if not p.is_file():
-        raise BackendError(f"kernel source {p} not found")
+        raise BackendError(f"kernel source {p} not found (is the package installed with its kernels/ data?)")
     return p
 
 
@@ -46,7 +58,7 @@ def build_cpu_object(source: Path, *, extra_flags: tuple[str, ...] = ()) -> Path
     if cc is None:
         raise BackendError("no C compiler found (set CC or install gcc) to build plugin kernels")
     flags = CPU_FLAGS + tuple(extra_flags)
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = _digest(source, flags)
     obj = cache_dir() / f"{source.stem}-{digest}.o"
     if obj.is_file():
         return obj
@@ -57,3 +69,44 @@ def build_cpu_object(source: Path, *, extra_flags: tuple[str, ...] = ()) -> Path
         raise BackendError(f"building kernel {source.name} failed: {first}")
     tmp.replace(obj)
     return obj
+
+
+def build_cuda_ptx(source: Path, arch: str = DEFAULT_CUDA_ARCH, *, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile a CUDA kernel to PTX for ``arch`` (``nvcc -ptx -arch=<arch> -O3``; ``$NVCC`` or ``nvcc`` on the
+    PATH); returns the cached file's path. Without nvcc, the PTX shipped beside the source
+    (``<stem>.<arch>.ptx``, see the module docstring) is used when its digest matches.
+
+    Raises:
+        BackendError: no nvcc and no matching shipped PTX, or nvcc failed (first error line).
+    """
+    flags = (*NVCC_FLAGS, f"-arch={arch}", *extra_flags)
+    digest = _digest(source, flags)
+    out = cache_dir() / f"{source.stem}-{digest}.{arch}.ptx"
+    if out.is_file():
+        return out
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    if nvcc is None:
+        shipped = source.with_name(f"{source.stem}.{arch}.ptx")
+        if shipped.is_file() and shipped.read_text().split("\n", 1)[0] == PTX_HEADER + digest:
+            shutil.copyfile(shipped, out)
+            return out
+        why = f"{shipped.name} was built from another version of the source" if shipped.is_file() else f"no {shipped.name} ships with it"
+        raise BackendError(f"building kernel {source.name} for {arch} needs nvcc (set NVCC or put it on the PATH); {why}")
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    r = subprocess.run([nvcc, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
+    if r.returncode != 0:
+        first = next((l for l in r.stderr.splitlines() if "error" in l), r.stderr.strip().splitlines()[0] if r.stderr.strip() else "failed")
+        raise BackendError(f"building kernel {source.name} with nvcc failed: {first}")
+    tmp.write_text(PTX_HEADER + digest + "\n" + tmp.read_text())
+    tmp.replace(out)
+    return out
+
+
+def ship_cuda_ptx(source: Path, arch: str = DEFAULT_CUDA_ARCH) -> Path:
+    """Build the PTX of ``source`` with nvcc and write it beside the source as ``<stem>.<arch>.ptx``, for a
+    package to ship to machines without nvcc. Raises BackendError like :func:`build_cuda_ptx`."""
+    if not (os.environ.get("NVCC") or shutil.which("nvcc")):
+        raise BackendError("shipping a PTX file needs nvcc")
+    shipped = source.with_name(f"{source.stem}.{arch}.ptx")
+    shutil.copyfile(build_cuda_ptx(source, arch), shipped)
+    return shipped

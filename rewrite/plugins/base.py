@@ -10,12 +10,12 @@ from rewrite.core.ir import Graph
 from rewrite.core.rules import Rule
 
 if TYPE_CHECKING:
-    from rewrite.pipeline import RewriteContext
+    from rewrite.core.driver import RewriteContext
 
 
 @dataclass(frozen=True)
 class KernelObject:
-    """A compiled kernel a plugin ships for one backend target (path relative to ``plugin_kernels/``)."""
+    """A compiled kernel a plugin ships for one backend target (path relative to the plugin's package folder)."""
 
     name: str
     backend: str
@@ -63,7 +63,7 @@ class Plugin:
 
     @property
     def cases(self) -> list:
-        """:class:`rewrite.testing.cases.Case` objects the conformance kit runs for this plugin."""
+        """:class:`rewrite.core.cases.Case` objects the conformance kit runs for this plugin."""
         return []
 
     def run(self, graph: Graph, report: PluginReport, ctx: "RewriteContext | None" = None, *, dry_run: bool = False) -> None:

@@ -53,7 +53,7 @@ class CastRoundtrip(Plugin):
         from onnx import TensorProto as TP
         from onnx import helper
 
-        from rewrite.testing.cases import negative, positive
+        from rewrite.core.cases import negative, positive
 
         def chain(t: int, w: int, back: int, *, tap: bool = False):
             """X: t[2,8] -> Softmax (floats) or Neg -> Cast(to=w) -> Cast(to=back) -> Mul by itself -> Y;

@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 from rewrite.core.driver import PluginReport
 from rewrite.core.ir import Graph, Node
 from rewrite.plugins.base import Plugin
-from rewrite.testing.cases import negative, positive
+from rewrite.core.cases import negative, positive
 
 MAX_RANK = 16  #: shape vectors longer than this are not evaluated
 #: onnx shape inference names each dim it cannot infer ``unk__N``: a placeholder, not a user's symbol

@@ -37,7 +37,7 @@ from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.rules import rule
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
-from rewrite.testing.cases import bad_input, negative, positive
+from rewrite.core.cases import bad_input, negative, positive
 
 MODES = ("attention", "all", "none")
 #: Ops between the attention-score MatMul and its Softmax (scale, mask, soft-capping, dtype changes).

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from rewrite.backends.iree_patch import IreeLowering, PatchContext, TorchOperator, VTensor
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, insert_rows_mlir
 from rewrite.core.abstract_ops import DOMAIN, AbstractOp
 from rewrite.core.driver import PluginReport, apply_rules
 from rewrite.core.ir import SOURCE, Graph, Node
@@ -37,7 +37,7 @@ from rewrite.core.shapes import infer_shapes
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
 from rewrite.plugins.expand import Sym, SymbolicEvaluator, expand_shape
-from rewrite.testing.cases import negative, positive
+from rewrite.core.cases import negative, positive
 
 _INT_TYPES = (TensorProto.INT64, TensorProto.INT32)
 
@@ -54,6 +54,9 @@ class KVCacheUpdate(AbstractOp):
     lowering clamps the offset to ``S - n`` (``tensor.insert_slice`` out of bounds is undefined behaviour);
     :mod:`rewrite.generate` refuses such positions before calling the model.
     """
+
+    ort_targets = ("cpu", "cuda")  # standard ONNX ScatterND
+    iree_targets = ("llvm-cpu", "cuda")  # tensor.insert_slice: no kernel
 
     op_type = "KVCacheUpdate"
 
@@ -118,47 +121,6 @@ class KVCacheUpdate(AbstractOp):
         axis = int(op.attrs["axis"]) % len(past.dims)
         seq = past.dims[axis] if past.dims[axis] is not None else f"%in0_d{axis}"
         return IreeLowering(body=insert_rows_mlir("kv", "%in0", past.builtin, [], "%in1", update, "%in2", pos, seq, axis, "%out0"))
-
-
-def insert_rows_mlir(tag: str, dest: str, dest_type: str, lead: list[str], upd: str, upd_type: VTensor, pos: str,
-                     pos_type: VTensor, seq: int | str, axis: int, out: str) -> str:
-    """MLIR statements defining ``out = tensor.insert_slice upd into dest[*lead, .., off, ..]``: the
-    KVCacheUpdate contract on builtin tensors.
-
-    ``dest`` has type ``dest_type`` (rank ``len(lead) + rank(upd)``; the ``lead`` offsets, e.g. a state slot, are
-    MLIR index literals over unit dims); ``upd`` is ``upd_type`` with ``n`` rows at ``axis``; ``pos`` holds one
-    i64; ``seq`` is the number of rows ``S`` (int, or an index SSA value). ``off = pos`` (``pos + S`` when
-    negative) clamped to ``[0, S - n]`` (out-of-bounds ``insert_slice`` is undefined behaviour). SSA names
-    are prefixed ``%{tag}_``.
-    """
-    t = f"%{tag}"
-    lines = [f"{t}_c0 = arith.constant 0 : index"]
-    sizes = ["1"] * len(lead)
-    for k, d in enumerate(upd_type.dims):
-        if d is None:
-            lines += [f"{t}_ci{k} = arith.constant {k} : index", f"{t}_d{k} = tensor.dim {upd}, {t}_ci{k} : {upd_type.builtin}"]
-        sizes.append(str(d) if d is not None else f"{t}_d{k}")
-    s_ref = seq if isinstance(seq, str) else f"{t}_s"
-    if not isinstance(seq, str):
-        lines.append(f"{t}_s = arith.constant {seq} : index")
-    n = upd_type.dims[axis]
-    n_ref = f"{t}_d{axis}" if n is None else f"{t}_n"
-    if n is not None:
-        lines.append(f"{t}_n = arith.constant {n} : index")
-    index = f"[{t}_c0]" if pos_type.dims else "[]"
-    offsets = ", ".join([*lead, *(f"{t}_off" if k == axis else "0" for k in range(len(upd_type.dims)))])
-    lines += [
-        f"{t}_p64 = tensor.extract {pos}{index} : {pos_type.builtin}",
-        f"{t}_p = arith.index_cast {t}_p64 : i64 to index",
-        f"{t}_neg = arith.cmpi slt, {t}_p, {t}_c0 : index",
-        f"{t}_pw = arith.addi {t}_p, {s_ref} : index",
-        f"{t}_pn = arith.select {t}_neg, {t}_pw, {t}_p : index",
-        f"{t}_last = arith.subi {s_ref}, {n_ref} : index",
-        f"{t}_hi = arith.minsi {t}_pn, {t}_last : index",
-        f"{t}_off = arith.maxsi {t}_hi, {t}_c0 : index",
-        f"{out} = tensor.insert_slice {upd} into {dest}[{offsets}] [{', '.join(sizes)}] [{', '.join('1' for _ in sizes)}] : {upd_type.builtin} into {dest_type}",
-    ]
-    return "\n".join("    " + line for line in lines)
 
 
 KV_UPDATE = KVCacheUpdate()

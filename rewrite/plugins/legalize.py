@@ -234,7 +234,7 @@ class Legalize(Plugin):
     def cases(self):
         from onnx import helper, numpy_helper
 
-        from rewrite.testing.cases import negative, positive
+        from rewrite.core.cases import negative, positive
 
         def model(nodes, inputs, out, inits=(), opset=21):
             g = helper.make_graph(nodes, "main_graph", inputs, [out], list(inits))

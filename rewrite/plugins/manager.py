@@ -7,6 +7,7 @@ import functools
 import pluggy
 
 from rewrite import hookspecs
+from rewrite.core.lowering import LoweringRegistry
 from rewrite.errors import PluginOrderError, UnknownPluginError
 from rewrite.plugins.base import Plugin
 
@@ -38,6 +39,24 @@ def available_plugins() -> dict[str, Plugin]:
                 raise UnknownPluginError(f"plugin short name '{p.short}' is claimed by both {out[p.short].name} and {p.name}")
             out[p.short] = p
     return out
+
+
+def lowering_registry() -> LoweringRegistry:
+    """Every lowering: those of the abstract ops of all available plugins (selected or not, so a graph rewritten
+    in an earlier run can be lowered), then those of the ``rewrite_lowerings`` hook.
+
+    Raises:
+        LoweringError: two lowerings claim one (op, backend, target), or one names an unknown target.
+    """
+    reg = LoweringRegistry()
+    for p in available_plugins().values():
+        for op in p.abstract_ops:
+            for low in op.lowerings():
+                reg.add(low)
+    for batch in reversed(get_plugin_manager().hook.rewrite_lowerings()):
+        for low in batch:
+            reg.add(low)
+    return reg
 
 
 def select_plugins(names: list[str] | str) -> list[Plugin]:

@@ -64,7 +64,7 @@ from rewrite.core.ir import Graph, Node, dtype_name
 from rewrite.core.rules import Builder
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
-from rewrite.testing.cases import bad_input, negative, positive
+from rewrite.core.cases import bad_input, negative, positive
 
 OPSET = 21  #: DequantizeLinear with block_size and 4-bit types
 _SEMANTIC_CHANGES_TO_21 = ("DFT", "GridSample", "GroupNormalization")  # changed meaning between opset 18 and 21

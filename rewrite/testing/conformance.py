@@ -27,6 +27,7 @@ Expensive work is shared: a case is rewritten once and lowered once per backend,
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,8 @@ from rewrite.core.driver import PluginReport
 from rewrite.core.feeds import make_feeds, specs_of
 from rewrite.core.ir import Graph
 from rewrite.errors import RewriteError
-from rewrite.pipeline import RewriteContext, check_model, rewrite_graph
+from rewrite.pipeline import RewriteContext, abstract_ops_in, check_model, rewrite_graph
+from rewrite.plugins.manager import lowering_registry
 from rewrite.plugins.base import Plugin
 from rewrite.testing.cases import Case
 from rewrite.verify import compare
@@ -152,11 +154,33 @@ class CaseRun:
         return self._once(f"lowered:{backend}", run)
 
 
+@contextlib.contextmanager
+def registered_lowerings(lowerings):
+    """Within the block, ``lowerings`` (:class:`rewrite.core.lowering.Lowering`) are registered through the
+    ``rewrite_lowerings`` hook as an installed package's would be; for tests of lowerings not installed."""
+    from rewrite.hookspecs import hookimpl
+    from rewrite.plugins.manager import get_plugin_manager
+
+    class _Package:
+        @hookimpl
+        def rewrite_lowerings(self):
+            return list(lowerings)
+
+    pm = get_plugin_manager()
+    pkg = _Package()
+    pm.register(pkg)
+    try:
+        yield
+    finally:
+        pm.unregister(pkg)
+
+
 def lower_graph(graph: Graph, backend: str, folder: Path, abstract_ops=()) -> Path:
     """Lower ``graph`` for ``backend`` (target from :data:`TARGETS`) into ``folder`` (replaced); returns it.
 
-    ``abstract_ops`` are added to the registered ones (a plugin under test need not be installed).
-    Raises BackendError when lowering or compiling fails.
+    The lowerings of ``abstract_ops`` are added to the registered ones (a plugin under test need not be
+    installed). Raises BackendError when lowering or compiling fails, LoweringError when an op of the graph
+    has no lowering for the target.
     """
     from rewrite.core.shapes import infer_shapes
 
@@ -165,8 +189,14 @@ def lower_graph(graph: Graph, backend: str, folder: Path, abstract_ops=()) -> Pa
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     infer_shapes(graph)
-    manifest = Manifest(backend=backend, target=TARGETS[backend], source_model="")
-    get_backend(backend).lower(graph, folder, manifest, options={"abstract_ops": {op.op_type: op for op in abstract_ops}})
+    target = TARGETS[backend]
+    registry = lowering_registry()
+    for op in abstract_ops:
+        for low in op.lowerings():
+            registry.add(low)
+    registry.check(abstract_ops_in(graph), backend, target)
+    manifest = Manifest(backend=backend, target=target, source_model="")
+    get_backend(backend).lower(graph, folder, manifest, options={}, lowerings=registry.for_target(backend, target))
     manifest.write(folder)
     return folder
 

@@ -1,5 +1,5 @@
 """``topk``: the MoE router (scores + top-k [+ renormalization, scaling]) as one abstract op, ``MoERouterTopK``
-(:mod:`rewrite.plugins.router_op`).
+(:mod:`rewrite.plugins.router.op`).
 
 Forms matched (ONNX opset 13+, expert axis last):
 
@@ -9,7 +9,7 @@ Forms matched (ONNX opset 13+, expert axis last):
   (Qwen3-MoE's ``router_top_value /= router_top_value.sum(dim=-1, keepdim=True)``, Mixtral);
 * ``topk-softmax`` / ``topk-softmax-renorm``: ``TopK(logits) -> Softmax`` over the k selected logits
   (gpt-oss), optionally renormalized the same way;
-* ``grouped-router`` (:mod:`rewrite.plugins.router_grouped`): routers that select on biased scores, limited to
+* ``grouped-router`` (:mod:`rewrite.plugins.router.grouped`): routers that select on biased scores, limited to
   the best groups, and weight with the unbiased scores (DeepSeek-V3, GLM4-MoE, dots1, Ernie 4.5), checked on
   random logits before the rewrite -> ``mode=grouped``;
 * ``topk-exact`` (tried last): any other float TopK over the last axis with ``largest=1, sorted=1`` (routers
@@ -18,7 +18,7 @@ Forms matched (ONNX opset 13+, expert axis last):
 
 Why: IREE 3.13's own lowering of the router TopK returns wrong indices inside the full models (seed 000
 "TopK Extern Kernel"; located by ``rewrite verify --locate``), and its sort-based TopK costs ~216 dispatches.
-On IREE the op runs as one dispatch of ``plugin_kernels/topk/router_topk.c``; on ONNX Runtime it is lowered
+On IREE the op runs as one dispatch of ``rewrite/plugins/router/kernels/router_topk.c``; on ONNX Runtime it is lowered
 back to standard ONNX (a ``moe`` plugin may instead absorb it into com.microsoft MoE/QMoE).
 
 Refused, with the reason in the report: Softmax and TopK on different axes or not on the last axis,
@@ -39,8 +39,8 @@ from rewrite.core.ir import dtype_name
 from rewrite.core.pattern import AttrVar, Const, Or
 from rewrite.core.rules import Builder, holds_every_value_of, rule
 from rewrite.plugins.base import KernelObject, Plugin
-from rewrite.plugins.router_grouped import grouped_router, grouped_router_model
-from rewrite.plugins.router_op import _FLOATS, MAX_EXPERTS, MoERouterTopK, last_axis
+from rewrite.plugins.router.grouped import grouped_router, grouped_router_model
+from rewrite.plugins.router.op import _FLOATS, MAX_EXPERTS, MoERouterTopK, last_axis
 
 
 # ----------------------------------------------------------------------------------------------- rules
@@ -192,7 +192,7 @@ class RouterTopK(Plugin):
     short = "topk"
     description = "Softmax->[Cast]->TopK [->renormalize], TopK->Softmax and grouped (biased, group-limited) routers -> one MoERouterTopK op (C kernel on IREE)"
     opset_range = (13, 28)
-    kernels = (KernelObject("router_topk", "iree", "llvm-cpu", "topk/router_topk.c"),)
+    kernels = (KernelObject("router_topk", "iree", "llvm-cpu", "kernels/router_topk.c"),)
 
     @property
     def rules(self):
@@ -258,7 +258,7 @@ def _separated_feeds(model) -> dict[str, np.ndarray]:
 
 
 def _cases() -> list:
-    from rewrite.testing.cases import negative, positive
+    from rewrite.core.cases import negative, positive
 
     F, H, I32 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT32
     pos = [

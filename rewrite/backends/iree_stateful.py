@@ -28,10 +28,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from rewrite.backends.iree_patch import VTensor, _split_types, split_resources
+from rewrite.backends.iree_patch import split_resources
+from rewrite.core.iree_lowering import VTensor, insert_rows_mlir, split_types
 from rewrite.core.interface import cache_pairs
 from rewrite.errors import BackendError
-from rewrite.plugins.kv_cache import insert_rows_mlir
 
 STATE_GLOBAL = "rewrite_kv_state"
 STATE_GETTER = "rewrite_kv_state_get"
@@ -83,8 +83,8 @@ def make_stateful(mlir: str, function: str, input_names: list[str], output_names
     m = re.search(_FUNC_RE.format(q=re.escape(function)), module, re.M)
     if m is None:
         raise BackendError(f"stateful: entry function @{function} not found in the imported MLIR")
-    args = _split_types(m.group("args"))
-    res_types = _split_types(m.group("res")) if m.group("res").startswith("(") else [m.group("res")]
+    args = split_types(m.group("args"))
+    res_types = split_types(m.group("res")) if m.group("res").startswith("(") else [m.group("res")]
     if len(args) != len(input_names) or len(res_types) != len(output_names):
         raise BackendError(f"stateful: @{function} has {len(args)} args/{len(res_types)} results, the model {len(input_names)} inputs/{len(output_names)} outputs")
     arg_names = [a.split(":", 1)[0].strip() for a in args]
@@ -137,7 +137,7 @@ def make_stateful(mlir: str, function: str, input_names: list[str], output_names
     cur = "%rw_state"
     pieces, last = [], 0
     for k, call in sorted(direct, key=lambda kc: kc[1].start()):
-        t_u, t_p = (VTensor.parse(x) for x in _split_types(call.group("types"))[1:3])
+        t_u, t_p = (VTensor.parse(x) for x in split_types(call.group("types"))[1:3])
         t = slots[k][2]
         offs = ", ".join([str(k)] + ["0"] * r)
         lines = [f"    %rw_u{k} = torch_c.to_builtin_tensor {call.group('u')} : {t_u.text} -> {t_u.builtin}",

@@ -5,7 +5,7 @@ scores, a selection bias, one group, renormalization by ``clamp(sum, min)``) -> 
 
 The rule anchors on ``GatherElements(scores, TopK(choice).indices)``, reads the bias, eps, min and scale from
 constants and the candidate group counts from the selection's Reshape targets and TopK k values, and checks
-the candidate router alone on ONNX Runtime against :func:`rewrite.plugins.router_op.router_topk_reference`
+the candidate router alone on ONNX Runtime against :func:`rewrite.plugins.router.op.router_topk_reference`
 on 2,048 random tokens (see :func:`_check_grouped`) before rewriting. The selection formula: transformers 5.24
 ``DeepseekV3TopkRouter.forward`` and ``Ernie4_5_MoeTopKRouter.forward``.
 
@@ -29,7 +29,7 @@ from rewrite.core.analysis import region_model, region_session, upstream_nodes
 from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.pattern import AttrVar, Const, Or
 from rewrite.core.rules import rule
-from rewrite.plugins.router_op import _FLOATS, MAX_EXPERTS, MoERouterTopK, last_axis, router_topk_reference
+from rewrite.plugins.router.op import _FLOATS, MAX_EXPERTS, MoERouterTopK, last_axis, router_topk_reference
 
 
 @rule("grouped-router")

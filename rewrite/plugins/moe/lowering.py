@@ -40,34 +40,19 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from rewrite.backends.iree_patch import IreeLowering, PatchContext, TorchOperator
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
 from rewrite.core.abstract_ops import AbstractOp
+from rewrite.core.int4 import ORT_MAX_BLOCK, pack_int4, unpack_int4
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cpu_object, kernel_source
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
-ROWS_PER_WORKGROUP = 32  #: ROWS in plugin_kernels/moe/moe_cpu.c
+ROWS_PER_WORKGROUP = 32  #: ROWS in rewrite/plugins/moe/kernels/moe_cpu.c
 _FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64}
 MODES = ("softmax_topk", "topk_softmax", "routed")
 #: input positions of the contract
 IDS, FC1_BIAS, FC2_BIAS = 8, 9, 10
-
-
-def pack_int4(codes: np.ndarray) -> np.ndarray:
-    """[..., K] codes 0..15 -> uint8 [..., ceil(K/2)], even element in the low nibble (ORT QMoE / MatMulNBits)."""
-    c = codes.astype(np.uint8)
-    if c.shape[-1] % 2:
-        c = np.concatenate([c, np.zeros(c.shape[:-1] + (1,), np.uint8)], -1)
-    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
-
-
-def unpack_int4(packed: np.ndarray, k: int) -> np.ndarray:
-    """Inverse of :func:`pack_int4`: uint8 [..., ceil(k/2)] -> uint8 codes [..., k]."""
-    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
-    out[..., 0::2] = packed & 15
-    out[..., 1::2] = packed >> 4
-    return out[..., :k]
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, block: int) -> np.ndarray:
@@ -99,6 +84,9 @@ def activation_params(attrs: dict) -> tuple[float, float, float]:
 
 class FusedMoE(AbstractOp):
     """The contract in the module docstring; ORT lowering to com.microsoft MoE / QMoE, IREE to two C kernels."""
+
+    ort_targets = ("cpu",)  # QMoE in the CPU EP's weight layout (the CUDA EP's differs: seed 003 section 5.1)
+    iree_targets = ("llvm-cpu",)  # C kernels
 
     op_type = "FusedMoE"
 
@@ -184,8 +172,9 @@ class FusedMoE(AbstractOp):
         scale = None  # routed float MoE: the sum of the weights its softmax divided by
         if mode == "routed":
             attrs["normalize_routing_weights"] = 0
+            low = -6e4 if npdt == np.float16 else -1e30  # router_probs of the experts not given: never selected (finite in f16)
             if bs and qbs:
-                probs = _scatter(b, hidden, ids, b.op("Mul", [logits, b.const(np.zeros((), npdt), "zero")], dtype=dt), E, -1e30, dt)
+                probs = _scatter(b, hidden, ids, b.op("Mul", [logits, b.const(np.zeros((), npdt), "zero")], dtype=dt), E, low, dt)
                 weights = _scatter(b, hidden, ids, logits, E, 0.0, dt)
             else:
                 why = positive(graph, logits)
@@ -194,7 +183,7 @@ class FusedMoE(AbstractOp):
                                        f"but '{logits}' is not provably positive ({why})")
                 tiny = np.float32(np.finfo(npdt).smallest_subnormal if npdt == np.float16 else np.finfo(np.float32).tiny)
                 logw = b.op("Log", [b.op("Max", [logits, b.const(np.asarray(tiny, npdt), "tiny")], dtype=dt)], dtype=dt)
-                probs = _scatter(b, hidden, ids, logw, E, -6e4 if npdt == np.float16 else -1e30, dt)
+                probs = _scatter(b, hidden, ids, logw, E, low, dt)
                 scale = b.op("ReduceSum", [logits, b.const(np.array([1], np.int64), "axes")], keepdims=1, dtype=dt)
                 weights = None
         else:
@@ -225,13 +214,13 @@ class FusedMoE(AbstractOp):
                        domain="com.microsoft", dtype=dt, shape=out_shape, **attrs)
             if scale is not None:
                 out = b.op("Mul", [out, scale], dtype=dt, shape=out_shape)
-        _ensure_opset(graph, "com.microsoft")
+        graph.ensure_opset("com.microsoft")
         graph.replace_node(node, [out])
         graph.remove_unused_initializers()  # the FusedMoE layouts, now repacked: do not ship the weights twice
 
     # ----------------------------------------------------------------- IREE
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
-        """Two dispatches of plugin_kernels/moe/moe_cpu.c: ``moe_gate_up_swiglu`` on a (T*k, ceil(I/32)) grid
+        """Two dispatches of rewrite/plugins/moe/kernels/moe_cpu.c: ``moe_gate_up_swiglu`` on a (T*k, ceil(I/32)) grid
         into an f32 [T*k, I] scratch, then ``moe_down_proj_reduce`` on (T, ceil(H/32)) into [T, H]; each
         workgroup recomputes its token's routing (E logits, negligible next to its dot products) or, routed,
         reads it. Absent optional inputs (imported as ``!torch.none``) become 1-element placeholders.
@@ -242,7 +231,7 @@ class FusedMoE(AbstractOp):
         """
         if ctx.target != "llvm-cpu":
             raise BackendError(f"FusedMoE has kernels for llvm-cpu only, not '{ctx.target}'")
-        obj = build_cpu_object(kernel_source("moe", "moe_cpu.c"))
+        obj = ctx.object_path(build_cpu_object(kernel_source(__file__, "moe_cpu.c")))
         tys = list(op.operand_types) + [None] * (11 - len(op.operand_types))
         present = [t is not None and t.element != "none" for t in tys]
         el = tys[0].builtin_element
@@ -317,8 +306,7 @@ class FusedMoE(AbstractOp):
         lines.append(f"    %out0 = tensor.cast %o2 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
         name = f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['b1']}"
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
-        return IreeLowering(body=body, module_items={name: _executable(name, str(obj), el, wel, S, routed)},
-                            kernel_objects=[str(obj)])
+        return IreeLowering(body=body, module_items={name: _executable(name, obj, el, wel, S, routed)})
 
 
 def _f32_bits(v: float) -> int:
@@ -362,10 +350,6 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], route
             f"    }}>\n  }} {{\n" + "\n".join(exports) + "\n    builtin.module {\n" + "\n".join(funcs) + "\n    }\n  }")
 
 
-#: Largest QMoE block_size the ORT lowering emits: ORT 1.32's CPU QMoE runs a decode step faster at 64 than at
-#: 128 (qwen2_moe mid, 2 threads, ORT profiler: 2.9 vs 3.6 ms per step for the 8 layers; benchmarks/moe_cpu.py),
-#: and splitting a block into blocks that share its scale and zero point is exact.
-ORT_MAX_BLOCK = 64
 
 
 def _ort_block(bs: int, h: int, i: int, zero_points: bool) -> int:
@@ -438,9 +422,3 @@ def _interleave(a: np.ndarray) -> np.ndarray:
     out = np.empty_like(a)
     out[:, 0::2], out[:, 1::2] = a[:, :n], a[:, n:]
     return out
-
-
-def _ensure_opset(graph: Graph, domain: str, version: int = 1) -> None:
-    """Declare ``domain`` in the model's opset imports (ORT refuses nodes of an undeclared domain)."""
-    if graph.opset(domain) is None:
-        graph.model_shell.opset_import.add(domain=domain, version=version)

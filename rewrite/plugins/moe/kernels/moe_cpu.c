@@ -1,7 +1,7 @@
 // FusedMoE CPU kernels for IREE llvm-cpu (statically linked, llvm.bareptr ABI: base pointer then element
 // offset per memref). Freestanding: no libc, no libm, no libgcc helpers (half floats are converted by hand).
 //
-// Layouts (contract of ai.rewrite::FusedMoE, rewrite/plugins/moe_lowering.py):
+// Layouts (contract of ai.rewrite::FusedMoE, rewrite/plugins/moe/lowering.py):
 //   x       [T, H]   activations, f32 or f16 (flags & F16)
 //   logits  [T, E]   router logits, same dtype as x
 //   w1      [E, 2I, H] gate rows 0..I-1 then up rows I..2I-1: float (x's dtype), or INT4 codes packed two per
@@ -23,7 +23,7 @@
 
 enum { F16 = 1, INT4 = 2, NORMALIZE = 4, TOPK_SOFTMAX = 8, ZERO_POINTS = 16, ROUTED = 32, BIAS = 64 };
 #define MAX_K 64
-#define ROWS 32 /* output rows per workgroup (must match ROWS_PER_WORKGROUP in moe_lowering.py) */
+#define ROWS 32 /* output rows per workgroup (must match ROWS_PER_WORKGROUP in lowering.py) */
 
 static inline float half_to_float(uint16_t h) {
   uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;

@@ -43,8 +43,8 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.analysis import region_model, region_session, upstream_nodes
 from rewrite.core.feeds import make_feeds, specs_of
 from rewrite.core.ir import Graph, Node
-from rewrite.plugins.moe_lowering import FusedMoE
-from rewrite.plugins.router_op import router_topk_reference
+from rewrite.plugins.moe.lowering import FusedMoE
+from rewrite.plugins.router.op import router_topk_reference
 
 #: the region may not be larger than this many nodes (grouped_mm with 128 experts is about 1,000)
 MAX_REGION_NODES = 4000
@@ -53,7 +53,7 @@ MAX_REGION_NODES = 4000
 _THRESHOLD_OPS = frozenset({"Clip", "Min", "Max", "Relu", "LeakyRelu", "ThresholdedRelu", "Less", "LessOrEqual",
                             "Greater", "GreaterOrEqual", "Equal", "Abs", "Sign", "Floor", "Ceil", "Round", "IsInf",
                             "IsNaN", "Mod", "HardSigmoid", "HardSwish", "Shrink"})
-#: FusedMoE's kernels take at most this many experts per token (plugin_kernels/moe/moe_cpu.c MAX_K)
+#: FusedMoE's kernels take at most this many experts per token (rewrite/plugins/moe/kernels/moe_cpu.c MAX_K)
 MAX_K = 64
 #: relative tolerance of the numerical check by hidden dtype
 TOLERANCE = {TensorProto.FLOAT: 1e-4, TensorProto.FLOAT16: 1e-2, TensorProto.BFLOAT16: 1e-2}

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from rewrite.testing.cases import Case, negative, positive
+from rewrite.core.cases import Case, negative, positive
 
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 

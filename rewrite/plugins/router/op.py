@@ -1,8 +1,8 @@
 """``ai.rewrite::MoERouterTopK``, the MoE router as one abstract op: its numpy reference, its ONNX Runtime
-lowering (standard ONNX) and its IREE lowering (one dispatch of ``plugin_kernels/topk/router_topk.c``).
+lowering (standard ONNX) and its IREE lowering (one dispatch of ``rewrite/plugins/router/kernels/router_topk.c``).
 
 The rules that produce it are the ``topk`` plugin's (:mod:`rewrite.plugins.router`, grouped routers in
-:mod:`rewrite.plugins.router_grouped`); ``moe`` reads its routing (:mod:`rewrite.plugins.moe_semantic`).
+:mod:`rewrite.plugins.router.grouped`); ``moe`` reads its routing (:mod:`rewrite.plugins.moe.semantic`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from rewrite.backends.iree_patch import IreeLowering, PatchContext, TorchOperator
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cpu_object, kernel_source
@@ -139,6 +139,9 @@ class MoERouterTopK(AbstractOp):
     ``logits`` input and ``k``/``normalize`` for com.microsoft MoE/QMoE (``k``, ``normalize_routing_weights``).
     """
 
+    ort_targets = ("cpu", "cuda")  # standard ONNX ops
+    iree_targets = ("llvm-cpu",)  # a C kernel
+
     op_type = "MoERouterTopK"
 
     def reference(self, attrs: dict, logits: np.ndarray, bias: np.ndarray | None = None) -> list[np.ndarray]:
@@ -213,7 +216,7 @@ class MoERouterTopK(AbstractOp):
             raise BackendError(f"{where}: logits {xt.text} need rank >= 2 and a static last dim of 1..{MAX_EXPERTS}")
         if not 1 <= k <= e or mode not in MODES:
             raise BackendError(f"{where}: k={k}, mode='{mode}'; expected 1 <= k <= {e} and a mode in {', '.join(MODES)}")
-        obj = build_cpu_object(kernel_source("topk", "router_topk.c"), extra_flags=_KERNEL_FLAGS)
+        obj = ctx.object_path(build_cpu_object(kernel_source(__file__, "router_topk.c"), extra_flags=_KERNEL_FLAGS))
         xe, we = xt.builtin_element, wt.builtin_element
         entry = f"router_topk_{xe}_{we}"
         lines = ["    %rt_t0 = arith.constant 1 : index"]
@@ -275,7 +278,7 @@ class MoERouterTopK(AbstractOp):
             dyn = f"tensor<{lead}{k}x{el}>"
             lines.append(f"    {name}_x = tensor.expand_shape {src} {group} output_shape [{shape}] : tensor<?x{el}> into {dyn}")
             lines.append(f"    {name} = tensor.cast {name}_x : {dyn} to {res.builtin}")
-        return IreeLowering(body="\n".join(lines), module_items={f"{entry}_exec": executable}, kernel_objects=[str(obj)])
+        return IreeLowering(body="\n".join(lines), module_items={f"{entry}_exec": executable})
 
 
 def _grouped_args(attrs: dict, bias) -> dict:
@@ -348,7 +351,7 @@ def _executable(entry: str, xe: str, we: str, obj, *, bias: int | None = None,
     """The ``stream.executable`` whose export calls the statically linked ``<entry>_workgroup`` C function.
 
     Bindings: logits, then (grouped mode, ``bias`` = E) the f32 [E] bias, then weights and indices; push
-    constants: t, e, k and ``params``. The C signature (plugin_kernels/topk/router_topk.c ``ROUTER_ENTRY`` /
+    constants: t, e, k and ``params``. The C signature (rewrite/plugins/router/kernels/router_topk.c ``ROUTER_ENTRY`` /
     ``GROUPED_ENTRY``): each binding's base pointer and offset, then t, e, k, the workgroup id and ``params``.
     """
     bufs = [("b0", "m0", "p0", "o0", f"?x{xe}", xe, "%ne")]

@@ -1,13 +1,13 @@
 """``moe``: fuse the routed experts of each MoE block into one ``ai.rewrite::FusedMoE``.
 
-Rules (patterns in :mod:`rewrite.plugins.moe_patterns`, the op and its lowerings in
-:mod:`rewrite.plugins.moe_lowering`):
+Rules (patterns in :mod:`rewrite.plugins.moe.patterns`, the op and its lowerings in
+:mod:`rewrite.plugins.moe.lowering`):
 
 * ``fused-moe-hf``: ``batched_mm`` experts as transformers' exporter and ``torch.onnx.export(dynamo=True)`` write
   them (fp32/fp16; float stacks or ``quant4``'s INT4 stacks);
 * ``fused-moe-seed-int4``: the seed's INT4 form, DequantizeLinear or after ``legalize``;
 * ``fused-moe-by-value`` (tried last): any region that ends in the per-token sum over the k experts and passes
-  the numerical check of :mod:`rewrite.plugins.moe_semantic` (transformers' default ``grouped_mm`` experts).
+  the numerical check of :mod:`rewrite.plugins.moe.semantic` (transformers' default ``grouped_mm`` experts).
 
 All accept the router as the raw Softmax/TopK chain or as the ``topk`` plugin's ``MoERouterTopK``, so
 ``--plugins moe`` works alone and after ``topk``. The shared expert (Qwen1.5-MoE) is not part of the match and
@@ -26,9 +26,10 @@ from rewrite.core.pattern import Const, Var
 from rewrite.core.rules import rule
 from rewrite.core.shape_eval import shape_elements
 from rewrite.plugins.base import KernelObject, Plugin
-from rewrite.plugins.moe_lowering import FusedMoE, _ensure_opset, _ort_block, pack_int4
-from rewrite.plugins.moe_patterns import hf_experts, seed_experts
-from rewrite.plugins.moe_semantic import prove_fused_moe
+from rewrite.core.int4 import pack_int4
+from rewrite.plugins.moe.lowering import FusedMoE, _ort_block
+from rewrite.plugins.moe.patterns import hf_experts, seed_experts
+from rewrite.plugins.moe.semantic import prove_fused_moe
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 
@@ -154,7 +155,7 @@ def _(m):
 def _(m, b):
     if "fc1" in m:
         k, normalize, mode = _routing_attrs(m)
-        _ensure_opset(m.graph, DOMAIN)
+        m.graph.ensure_opset(DOMAIN)
         out = m.graph.values[m.outputs[0]]
         return b.op("FusedMoE", [m["hidden"], m["logits"], m["fc1"], m["fc2"]], domain=DOMAIN, k=k, normalize=normalize,
                     mode=mode, activation="swiglu", block_size=0, dtype=out.dtype, shape=out.shape)
@@ -166,7 +167,7 @@ def _(m, b):
 @rule("fused-moe-by-value", benefit=1)
 def fused_moe_by_value(op, pairs):
     """Routed experts of any spelling (transformers' grouped_mm, ...) ending in the per-token sum over the k
-    experts, proved equal to FusedMoE on random inputs (rewrite.plugins.moe_semantic)."""
+    experts, proved equal to FusedMoE on random inputs (rewrite.plugins.moe.semantic)."""
     return op.ReduceSum(op.Reshape(pairs, Var("sum_shape")), Const("sum_axes", value=[1]), keepdims=0, _name="sum")
 
 
@@ -203,7 +204,7 @@ def _(m, b):
     out = g.values[m.outputs[0]]
     hidden = g.values[p.hidden]
     dtype = helper.tensor_dtype_to_np_dtype(hidden.dtype)
-    _ensure_opset(g, DOMAIN)
+    g.ensure_opset(DOMAIN)
     fc1, fc2 = b.const(p.fc1.astype(dtype), "gate_up"), b.const(p.fc2.astype(dtype), "down")
     ins = [p.hidden, p.logits, fc1, fc2]
     if p.mode == "routed":  # weights in hidden's dtype, ids int64: the contract's
@@ -267,7 +268,7 @@ def _emit_quantized(m, b, fc1: list, fc2: list, bs: int) -> str:
     k, normalize, mode = _routing_attrs(m)
     ins = [b.const(pack_int4(fc1[0]), "fc1"), b.const(pack_int4(fc2[0]), "fc2"), b.const(fc1[1], "fc1_scales"),
            b.const(fc1[2], "fc1_zero_points"), b.const(fc2[1], "fc2_scales"), b.const(fc2[2], "fc2_zero_points")]
-    _ensure_opset(m.graph, DOMAIN)
+    m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.outputs[0]]
     return b.op("FusedMoE", [m["hidden"], m["logits"]] + ins, domain=DOMAIN, k=k, normalize=normalize, mode=mode,
                 activation="swiglu", block_size=bs, dtype=out.dtype, shape=out.shape)
@@ -313,7 +314,7 @@ class MoE(Plugin):
     runs_after = ("topk",)
     description = "Fuse each MoE block's routed experts (router + SwiGLU experts + weighted sum) into FusedMoE"
     opset_range = (13, 28)
-    kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "moe/moe_cpu.c"),)
+    kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "kernels/moe_cpu.c"),)
 
     @property
     def rules(self):
@@ -343,6 +344,6 @@ class MoE(Plugin):
 
     @property
     def cases(self):
-        from rewrite.plugins.moe_cases import moe_cases
+        from rewrite.plugins.moe.cases import moe_cases
 
         return moe_cases()

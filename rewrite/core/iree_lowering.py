@@ -1,0 +1,173 @@
+"""What an abstract op's IREE lowering receives and returns (the contract between plugins and the ``iree``
+backend): the imported op (:class:`TorchOperator`, its operand and result types as :class:`VTensor`), where it is
+being lowered (:class:`PatchContext`), and the MLIR that replaces it (:class:`IreeLowering`); plus
+:func:`insert_rows_mlir`, the KV-cache row write that the KVCacheUpdate lowering and the stateful module share.
+
+The backend (:mod:`rewrite.backends.iree_patch`) finds the ops and splices the lowerings in.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rewrite.errors import BackendError
+
+KERNELS_DIR = "kernels"  #: kernel objects' folder inside an output folder
+_VT_RE = re.compile(r"!torch\.vtensor<\[([^\]]*)\],(\w+)>")  #: a type string, not module text
+
+#: torch element type -> builtin (signless) element type (torch_c.to_builtin_tensor drops signedness)
+BUILTIN_ELEMENT = {"f32": "f32", "f16": "f16", "bf16": "bf16", "f64": "f64", "si64": "i64", "si32": "i32", "si16": "i16",
+                   "si8": "i8", "ui8": "i8", "i1": "i1", "ui16": "i16", "ui32": "i32", "ui64": "i64"}
+
+
+def split_types(s: str) -> list[str]:
+    """Split a comma list of MLIR types, respecting <...> and [...] nesting."""
+    out, depth, cur = [], 0, ""
+    for ch in s.strip().strip("()"):
+        if ch in "<[(":
+            depth += 1
+        elif ch in ">])":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+@dataclass
+class VTensor:
+    """A ``!torch.vtensor`` type: dims (int or None for ``?``) and torch element type."""
+
+    dims: list[int | None]
+    element: str
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> "VTensor":
+        if text.strip() == "!torch.none":  # an absent optional input: element "none", no builtin tensor
+            return cls([], "none", text.strip())
+        m = _VT_RE.fullmatch(text.strip())
+        if m is None:
+            raise BackendError(f"abstract op operand has type {text}; expected a !torch.vtensor (missing value_info?)")
+        dims = [None if d.strip() == "?" else int(d) for d in m.group(1).split(",") if d.strip()]
+        return cls(dims, m.group(2), text.strip())
+
+    @property
+    def builtin(self) -> str:
+        """``tensor<?x60xf32>``"""
+        el = BUILTIN_ELEMENT.get(self.element)
+        if el is None:
+            raise BackendError(f"no builtin element type for torch type {self.element}")
+        return "tensor<" + "".join(("?" if d is None else str(d)) + "x" for d in self.dims) + el + ">"
+
+    @property
+    def builtin_element(self) -> str:
+        return BUILTIN_ELEMENT[self.element]
+
+
+@dataclass
+class TorchOperator:
+    """One imported abstract-op line, parsed."""
+
+    op_type: str
+    result: str  # SSA base name, e.g. %1
+    num_results: int
+    operands: list[str]
+    attrs: dict[str, object]
+    operand_types: list[VTensor]
+    result_types: list[VTensor]
+    line: str
+
+    @property
+    def results(self) -> list[str]:
+        return [self.result] if self.num_results == 1 else [f"{self.result}#{k}" for k in range(self.num_results)]
+
+
+@dataclass
+class IreeLowering:
+    """What an abstract op's IREE lowering returns.
+
+    Attributes:
+        body: MLIR statements of the wrapper function. Operand ``k`` is available as the builtin tensor
+            ``%in{k}`` (and its dims as ``%in{k}_d{axis}`` index values for dynamic axes; an absent operand,
+            ``!torch.none``, has neither); the body must define
+            ``%out{k}`` builtin tensors of the result types.
+        module_items: top-level MLIR (``stream.executable``, ``util.global``) keyed by a name, emitted once.
+            Kernel objects are named by the path :meth:`PatchContext.object_path` returns.
+    """
+
+    body: str
+    module_items: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class PatchContext:
+    """Where and for what the module is being patched: the output ``folder`` and the IREE ``target``."""
+
+    folder: Path
+    target: str
+    opset_version: int = 17
+    _kernel_objects: list[str] = field(default_factory=list)
+
+    def object_path(self, obj: Path) -> str:
+        """Copy the kernel object ``obj`` (a built, cached file: :mod:`rewrite.core.kernels`) into the folder's
+        ``kernels/`` and return the path to write in ``#hal.executable.object<{path = ...}>``: relative to the
+        folder, where iree-compile runs, so the folder can move. Recorded in the manifest's ``kernel_objects``."""
+        obj = Path(obj)
+        rel = f"{KERNELS_DIR}/{obj.name}"
+        dest = self.folder / rel
+        if not dest.is_file():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(obj, dest)
+        if rel not in self._kernel_objects:
+            self._kernel_objects.append(rel)
+        return rel
+
+
+
+def insert_rows_mlir(tag: str, dest: str, dest_type: str, lead: list[str], upd: str, upd_type: VTensor, pos: str,
+                     pos_type: VTensor, seq: int | str, axis: int, out: str) -> str:
+    """MLIR statements defining ``out = tensor.insert_slice upd into dest[*lead, .., off, ..]``: the
+    KVCacheUpdate contract on builtin tensors.
+
+    ``dest`` has type ``dest_type`` (rank ``len(lead) + rank(upd)``; the ``lead`` offsets, e.g. a state slot, are
+    MLIR index literals over unit dims); ``upd`` is ``upd_type`` with ``n`` rows at ``axis``; ``pos`` holds one
+    i64; ``seq`` is the number of rows ``S`` (int, or an index SSA value). ``off = pos`` (``pos + S`` when
+    negative) clamped to ``[0, S - n]`` (out-of-bounds ``insert_slice`` is undefined behaviour). SSA names
+    are prefixed ``%{tag}_``.
+    """
+    t = f"%{tag}"
+    lines = [f"{t}_c0 = arith.constant 0 : index"]
+    sizes = ["1"] * len(lead)
+    for k, d in enumerate(upd_type.dims):
+        if d is None:
+            lines += [f"{t}_ci{k} = arith.constant {k} : index", f"{t}_d{k} = tensor.dim {upd}, {t}_ci{k} : {upd_type.builtin}"]
+        sizes.append(str(d) if d is not None else f"{t}_d{k}")
+    s_ref = seq if isinstance(seq, str) else f"{t}_s"
+    if not isinstance(seq, str):
+        lines.append(f"{t}_s = arith.constant {seq} : index")
+    n = upd_type.dims[axis]
+    n_ref = f"{t}_d{axis}" if n is None else f"{t}_n"
+    if n is not None:
+        lines.append(f"{t}_n = arith.constant {n} : index")
+    index = f"[{t}_c0]" if pos_type.dims else "[]"
+    offsets = ", ".join([*lead, *(f"{t}_off" if k == axis else "0" for k in range(len(upd_type.dims)))])
+    lines += [
+        f"{t}_p64 = tensor.extract {pos}{index} : {pos_type.builtin}",
+        f"{t}_p = arith.index_cast {t}_p64 : i64 to index",
+        f"{t}_neg = arith.cmpi slt, {t}_p, {t}_c0 : index",
+        f"{t}_pw = arith.addi {t}_p, {s_ref} : index",
+        f"{t}_pn = arith.select {t}_neg, {t}_pw, {t}_p : index",
+        f"{t}_last = arith.subi {s_ref}, {n_ref} : index",
+        f"{t}_hi = arith.minsi {t}_pn, {t}_last : index",
+        f"{t}_off = arith.maxsi {t}_hi, {t}_c0 : index",
+        f"{out} = tensor.insert_slice {upd} into {dest}[{offsets}] [{', '.join(sizes)}] [{', '.join('1' for _ in sizes)}] : {upd_type.builtin} into {dest_type}",
+    ]
+    return "\n".join("    " + line for line in lines)

@@ -1,0 +1,112 @@
+"""Lowerings by (abstract op, backend, target): declared by the ops, added through the ``rewrite_lowerings``
+hook, checked by ``apply`` before it writes anything; output folders that hold their kernels and are the same
+bytes on every run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from rewrite.core.lowering import Lowering, LoweringError, LoweringRegistry
+from rewrite.plugins.manager import lowering_registry
+from rewrite.testing.conformance import registered_lowerings
+
+
+def _router_model(path: Path) -> Path:
+    """weights, ids = TopK(Softmax(logits: f32[T, 8]), 2): the router ``topk`` fuses into MoERouterTopK."""
+    nodes = [helper.make_node("Softmax", ["logits"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("TopK", ["p", "k"], ["w", "ids"], axis=-1, name="topk")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("logits", TP.FLOAT, ["T", 8])],
+                          [helper.make_tensor_value_info("w", TP.FLOAT, ["T", 2]), helper.make_tensor_value_info("ids", TP.INT64, ["T", 2])],
+                          [numpy_helper.from_array(np.array([2], np.int64), "k")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    onnx.save(m, path)
+    return path
+
+
+def _cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rewrite.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def _builtin_only():
+    """The registry without lowerings installed packages add (``examples/cuda_router_lowering`` adds one)."""
+    return LoweringRegistry(low for low in lowering_registry().all() if low.origin.startswith("rewrite."))
+
+
+def test_builtin_ops_declare_their_targets():
+    reg = _builtin_only()
+    assert reg.targets_of("MoERouterTopK") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu"]
+    assert reg.targets_of("FusedMoE") == ["ort:cpu", "iree:llvm-cpu"]
+    assert reg.targets_of("KVCacheUpdate") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu", "iree:cuda"]
+
+
+def test_registry_refuses_unknown_targets_and_two_claims_of_one_slot():
+    with pytest.raises(LoweringError, match="backend 'iree' has no target 'rocm'; targets: llvm-cpu, cuda"):
+        Lowering("X", "iree", ("rocm",), print, origin="pkg")
+    reg = LoweringRegistry([Lowering("X", "iree", ("cuda",), print, origin="a")])
+    with pytest.raises(LoweringError, match="two lowerings of X for iree:cuda: a and b"):
+        reg.add(Lowering("X", "iree", ("cuda", "llvm-cpu"), repr, origin="b"))
+
+
+@pytest.mark.parametrize("plugin", ["topk", "moe"])
+def test_a_target_without_a_lowering_stops_apply_with_one_line(tmp_path, plugin, qwen2_moe_tiny):
+    op = "MoERouterTopK" if plugin == "topk" else "FusedMoE"
+    if lowering_registry().get(op, "iree", "cuda") is not None:
+        pytest.skip(f"an installed package adds an iree:cuda lowering of {op}")
+    model = _router_model(tmp_path / "m.onnx") if plugin == "topk" else qwen2_moe_tiny
+    r = _cli("apply", model, "--plugins", plugin, "--backend", "iree", "--target", "cuda", "-o", tmp_path / "out")
+    assert r.returncode == 2
+    has = "ort:cpu, ort:cuda, iree:llvm-cpu" if plugin == "topk" else "ort:cpu, iree:llvm-cpu"
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"error: abstract op {op} (at node '") and line.endswith(f"has no lowering for iree:cuda; it has lowerings for {has}")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))] == []  # no folder, no staging left
+
+
+def test_a_lowering_from_the_hook_fills_its_slot(tmp_path, qwen2_moe_tiny):
+    """A lowering registered through ``rewrite_lowerings`` (as a package's entry point would) is what ``apply``
+    uses for its target, and only while it is registered."""
+    from rewrite.pipeline import apply
+    from rewrite.plugins.moe.lowering import FusedMoE
+
+    used = []
+
+    def lower(graph, node):
+        used.append(node.op_type)
+        FusedMoE().lower_ort(graph, node)
+
+    with pytest.raises(LoweringError, match="FusedMoE .* has no lowering for ort:cuda"):
+        apply(qwen2_moe_tiny, tmp_path / "out", plugins="moe", backend="ort", target="cuda")
+    with registered_lowerings([Lowering("FusedMoE", "ort", ("cuda",), lower, origin="test")]):
+        m = apply(qwen2_moe_tiny, tmp_path / "out", plugins="moe", backend="ort", target="cuda")
+    assert used == ["FusedMoE", "FusedMoE"]  # the tiny model's two MoE layers
+    assert m.session["providers"] == ["CUDAExecutionProvider", "CPUExecutionProvider"] and m.session["optimize"] == "basic"
+    assert lowering_registry().get("FusedMoE", "ort", "cuda") is None
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_two_runs_write_the_same_bytes(tmp_path, backend, qwen2_moe_tiny):
+    """Different output folder names and hash seeds, the same folder contents (kernels copied in, paths
+    relative, value_info in a fixed order)."""
+    plugins = "kv,topk,moe" if backend == "iree" else "quant4,kv,topk,moe"
+    outs = []
+    for k in (1, 2):
+        out = tmp_path / f"out{k}"
+        r = _cli("apply", qwen2_moe_tiny, "--plugins", plugins, "--backend", backend, "-o", out, env={"PYTHONHASHSEED": str(k)})
+        assert r.returncode == 0, r.stderr
+        outs.append(out)
+    files = sorted(str(p.relative_to(outs[0])) for p in outs[0].rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(outs[1])) for p in outs[1].rglob("*") if p.is_file())
+    if backend == "iree":
+        assert any(f.startswith("kernels/") for f in files)
+    differ = [f for f in files if (outs[0] / f).read_bytes() != (outs[1] / f).read_bytes()]
+    assert differ == []
