@@ -138,11 +138,15 @@ def run(bundle: Path) -> int:
     from rewrite.generate import Generator
 
     spec = json.loads((bundle / "bundle.json").read_text())
+    cuda_ep = _ort_cuda()
     bad = 0
     for row in spec["rows"]:
         head = f"{row['model']:<10} {row['dtype']:<5} {row['backend']}:{row['target']:<5} {row['plugins']:<30}"
         if row["error"]:
             print(f"{head} not lowered: {row['error']}")
+            continue
+        if row["backend"] == "ort" and not cuda_ep:
+            print(f"{head} skipped: this onnxruntime has no CUDA execution provider (install onnxruntime-gpu)")
             continue
         try:
             if row["reference"] is None:  # a router row: the kernel against its numpy reference
@@ -163,6 +167,18 @@ def run(bundle: Path) -> int:
         print(f"{head} {verdict}", flush=True)
         bad += int(diff is not None and row["expected"])
     return 1 if bad else 0
+
+
+def _ort_cuda() -> bool:
+    """Whether ONNX Runtime's CUDA execution provider is there (onnxruntime-gpu loads it after ``import torch``,
+    which brings the CUDA libraries)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 
 
 def main() -> int:

@@ -139,7 +139,8 @@ def _names(names: list[str], shown: int = 6) -> str:
 @click.option("--max-seq", type=int, default=None, help="kv: turn a growing (Concat) KV cache into a static one of this many positions (same as --opt kv.max_seq=N).")
 @click.option("--stateful", is_flag=True, help="iree: keep the KV cache in the compiled module (one util.global); the function takes ids and position.")
 @click.option("--freeze-inputs", is_flag=True, help="Make graph inputs that have an initializer default constants (they leave the interface; plugins may fold them).")
-def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful, freeze_inputs) -> None:
+@click.option("--cuda-sm", default=None, metavar="SM", help="iree --target cuda: the SM to compile for, e.g. sm_90 (default sm_80, whose PTX runs on sm_80 and later).")
+def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful, freeze_inputs, cuda_sm) -> None:
     """Rewrite MODEL with --plugins and lower it for --backend into OUT."""
     from rewrite.explain import parse_expect, preview, shortfalls
     from rewrite.pipeline import apply
@@ -149,6 +150,10 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
     _check_writable("--report", report_path, None if dry_run else out_dir)
     if max_seq is not None:
         options.setdefault("kv", {})["max_seq"] = max_seq
+    if cuda_sm is not None:
+        if backend != "iree" or target != "cuda":
+            raise click.UsageError("--cuda-sm needs --backend iree --target cuda")
+        options["cuda_sm"] = cuda_sm
     if stateful:
         if backend != "iree":
             raise click.UsageError("--stateful needs --backend iree")

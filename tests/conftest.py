@@ -62,3 +62,23 @@ def qwen2_moe_tiny_grouped_mm(tmp_path_factory) -> Path:
     return _export(tmp_path_factory, "qwen2_moe_tiny_grouped_mm",
                    lambda: moe_families.build("qwen2_moe", experts="grouped_mm"),
                    lambda model, folder: moe_families.export(model, "hf", folder))
+
+
+@pytest.fixture
+def router_onnx(tmp_path) -> Path:
+    """weights, ids = TopK(Softmax(logits: f32[T, 8]), 2), saved as ``router.onnx``: the smallest graph ``topk``
+    fuses into MoERouterTopK."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Softmax", ["logits"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("TopK", ["p", "k"], ["w", "ids"], axis=-1, name="topk")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", 8])],
+                          [helper.make_tensor_value_info("w", TensorProto.FLOAT, ["T", 2]),
+                           helper.make_tensor_value_info("ids", TensorProto.INT64, ["T", 2])],
+                          [numpy_helper.from_array(np.array([2], np.int64), "k")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "router.onnx")
+    return tmp_path / "router.onnx"

@@ -14,8 +14,9 @@ from rewrite.backends import load_runner
 from rewrite.backends.iree_patch import IreeLowering, PatchContext, TorchOperator, find_operators, patch_module
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN, AbstractOp
-from rewrite.core.kernels import build_cpu_object
+from rewrite.core.kernels import build_cpu_object, cpu_executable_target
 from rewrite.core.rules import Builder
+from rewrite.errors import BackendError
 from rewrite.pipeline import apply
 from rewrite.testing.conformance import registered_lowerings
 
@@ -61,7 +62,7 @@ class RowMax(AbstractOp):
         exe = f"""
   stream.executable private @test_rowmax_exec attributes {{
     hal.executable.objects = #hal.executable.objects<{{
-      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{ctx.object_path(self.obj)}"}}>]
+      {cpu_executable_target()} = [#hal.executable.object<{{path = "{ctx.object_path(self.obj)}"}}>]
     }}>
   }} {{
     stream.executable.export public @rowmax workgroups(%n: index) -> (index, index, index) {{
@@ -120,10 +121,17 @@ def rowmax_op(tmp_path_factory):
 
 
 def test_find_operators_parses_results_attrs_and_types(tmp_path):
-    line = '    %1:2 = torch.operator "onnx.TestRowMax"(%0) {torch.onnx.scale = 5.000000e-01 : f32, torch.onnx.mode = "a"} : (!torch.vtensor<[?,8],f32>) -> (!torch.vtensor<[?,1],f32>, !torch.vtensor<[?,1],si64>) '
-    (op,) = find_operators("module {\n" + line + "\n}", {"TestRowMax"})
-    assert op.results == ["%1#0", "%1#1"] and op.operands == ["%0"]
-    assert op.attrs == {"scale": 0.5, "mode": "a"}
+    text = """module {
+  func.func @g(%0: !torch.vtensor<[?,8],f32>) -> !torch.vtensor<[?,1],f32> {
+    %1:2 = torch.operator "onnx.TestRowMax"(%0) {torch.onnx.scale = 5.000000e-01 : f32, torch.onnx.mode = "a", torch.onnx.axes = [1 : si64, -1 : si64]} : (!torch.vtensor<[?,8],f32>) -> (!torch.vtensor<[?,1],f32>, !torch.vtensor<[?,1],si64>) loc("rowmax_node")
+    %2 = torch.operator "onnx.Relu"(%1#0) : (!torch.vtensor<[?,1],f32>) -> !torch.vtensor<[?,1],f32>
+    return %2 : !torch.vtensor<[?,1],f32>
+  }
+}"""
+    (op,) = find_operators(text, {"TestRowMax"})
+    assert op.op_type == "TestRowMax" and op.node == "rowmax_node" and op.where == "at node 'rowmax_node'"
+    assert op.attrs == {"scale": 0.5, "mode": "a", "axes": [1, -1]}
+    assert [t.builtin for t in op.operand_types] == ["tensor<?x8xf32>"]
     assert [t.builtin for t in op.result_types] == ["tensor<?x1xf32>", "tensor<?x1xi64>"]
 
 
@@ -146,3 +154,43 @@ def test_abstract_op_lowered_per_backend_matches_reference(tmp_path, rowmax_op, 
         v, i = rowmax_op.reference({"scale": 0.5}, np.maximum(x, 0))
         np.testing.assert_allclose(got["y"], 2 * v, rtol=1e-6)
         np.testing.assert_array_equal(got["i"], i)
+
+
+class _BrokenRowMax(RowMax):
+    """RowMax whose IREE lowering is wrong in one way: ``how`` = "body" (a value the body never defines) or
+    "object" (an executable naming a kernel object that is not there)."""
+
+    def __init__(self, obj_path, how):
+        super().__init__(obj_path)
+        self.how = how
+
+    def lower_iree(self, op, ctx):
+        low = super().lower_iree(op, ctx)
+        if self.how == "body":
+            return IreeLowering(body=low.body.replace("%flat, %n, %e, %scale", "%flat, %nowhere, %e, %scale"),
+                                module_items=low.module_items)
+        items = {k: v.replace(f'path = "kernels/{self.obj.name}"', 'path = "kernels/missing.o"') for k, v in low.module_items.items()}
+        return IreeLowering(body=low.body, module_items=items)
+
+
+def test_a_lowering_that_does_not_parse_is_refused_before_compiling_naming_the_node(tmp_path, rowmax_op):
+    op = _BrokenRowMax(rowmax_op.obj, "body")
+    with registered_lowerings(op.lowerings()), pytest.raises(BackendError) as e:
+        apply(rowmax_model(tmp_path / "m.onnx"), tmp_path / "out", backend="iree")
+    assert str(e.value).startswith("IREE lowering of TestRowMax at node 'rowmax': its MLIR does not parse:")
+    assert "nowhere" in str(e.value) or "undeclared SSA value" in str(e.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.failed").exists()  # iree-compile never ran
+
+
+def test_the_module_iree_compile_gets_carries_node_locations(tmp_path, rowmax_op):
+    """The module goes to iree-compile with its locations (errors at an imported op name its ONNX node; at a
+    lowering's op, the lowering and the node); a kernel object that is not there is named in the error."""
+    with registered_lowerings(rowmax_op.lowerings()):
+        apply(rowmax_model(tmp_path / "m.onnx"), tmp_path / "good", backend="iree")
+    mlir = (tmp_path / "good" / "model.mlir").read_text()
+    assert 'loc("rowmax")' in mlir and "IREE lowering of TestRowMax at node 'rowmax'" in mlir
+    op = _BrokenRowMax(rowmax_op.obj, "object")
+    with registered_lowerings(op.lowerings()), pytest.raises(BackendError) as e:
+        apply(rowmax_model(tmp_path / "m.onnx"), tmp_path / "out", backend="iree")
+    assert "iree-compile (llvm-cpu)" in str(e.value) and 'kernels/missing.o' in str(e.value)
+    assert (tmp_path / "out.failed" / "model.mlir").is_file()

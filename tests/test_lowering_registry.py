@@ -7,30 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto as TP
-from onnx import helper, numpy_helper
 
 from rewrite.core.lowering import Lowering, LoweringError, LoweringRegistry
 from rewrite.plugins.manager import lowering_registry
 from rewrite.testing.conformance import registered_lowerings
-
-
-def _router_model(path: Path) -> Path:
-    """weights, ids = TopK(Softmax(logits: f32[T, 8]), 2): the router ``topk`` fuses into MoERouterTopK."""
-    nodes = [helper.make_node("Softmax", ["logits"], ["p"], axis=-1, name="softmax"),
-             helper.make_node("TopK", ["p", "k"], ["w", "ids"], axis=-1, name="topk")]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("logits", TP.FLOAT, ["T", 8])],
-                          [helper.make_tensor_value_info("w", TP.FLOAT, ["T", 2]), helper.make_tensor_value_info("ids", TP.INT64, ["T", 2])],
-                          [numpy_helper.from_array(np.array([2], np.int64), "k")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
-    m.ir_version = 8
-    onnx.save(m, path)
-    return path
 
 
 def _cli(*args, env=None) -> subprocess.CompletedProcess:
@@ -59,11 +41,11 @@ def test_registry_refuses_unknown_targets_and_two_claims_of_one_slot():
 
 
 @pytest.mark.parametrize("plugin", ["topk", "moe"])
-def test_a_target_without_a_lowering_stops_apply_with_one_line(tmp_path, plugin, qwen2_moe_tiny):
+def test_a_target_without_a_lowering_stops_apply_with_one_line(tmp_path, plugin, qwen2_moe_tiny, router_onnx):
     op = "MoERouterTopK" if plugin == "topk" else "FusedMoE"
     if lowering_registry().get(op, "iree", "cuda") is not None:
         pytest.skip(f"an installed package adds an iree:cuda lowering of {op}")
-    model = _router_model(tmp_path / "m.onnx") if plugin == "topk" else qwen2_moe_tiny
+    model = router_onnx if plugin == "topk" else qwen2_moe_tiny
     r = _cli("apply", model, "--plugins", plugin, "--backend", "iree", "--target", "cuda", "-o", tmp_path / "out")
     assert r.returncode == 2
     has = "ort:cpu, ort:cuda, iree:llvm-cpu" if plugin == "topk" else "ort:cpu, iree:llvm-cpu"

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 
 import qwen_moe
 from rewrite.backends import load_runner
-from rewrite.backends.iree_patch import PatchContext, find_operators
+from rewrite.core.iree_lowering import PatchContext, TorchOperator, VTensor
 from rewrite.backends.ort import OrtRunner, lower_abstract_ops
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN
@@ -144,18 +144,17 @@ def test_reference_ties_and_order_match_onnx_runtime_topk(tmp_path):
 
 
 @pytest.mark.parametrize("types,attrs,error", [
-    ("[?,1100],f32", "torch.onnx.k = 2 : si64", "static last dim of 1..1024"),
-    ("[?,?],f32", "torch.onnx.k = 2 : si64", "static last dim of 1..1024"),
-    ("[?,8],bf16", "torch.onnx.k = 2 : si64", "expected f16|f32"),
-    ("[?,8],f32", "torch.onnx.k = 9 : si64", "k=9, mode='softmax_topk'; expected 1 <= k <= 8"),
-    ("[?,8],f32", 'torch.onnx.k = 2 : si64, torch.onnx.mode = "sort"', "mode='sort'"),
+    ("[?,1100],f32", {"k": 2}, "static last dim of 1..1024"),
+    ("[?,?],f32", {"k": 2}, "static last dim of 1..1024"),
+    ("[?,8],bf16", {"k": 2}, "expected f16|f32"),
+    ("[?,8],f32", {"k": 9}, "k=9, mode='softmax_topk'; expected 1 <= k <= 8"),
+    ("[?,8],f32", {"k": 2, "mode": "sort"}, "mode='sort'"),
 ])
 def test_iree_lowering_rejects_what_the_kernel_cannot_do(types, attrs, error):
-    k = 9 if "k = 9" in attrs else 2
-    line = (f'    %1:2 = torch.operator "onnx.MoERouterTopK"(%0) {{{attrs}}} : (!torch.vtensor<{types}>) -> '
-            f"(!torch.vtensor<[?,{k}],f32>, !torch.vtensor<[?,{k}],si64>)")
-    (op,) = find_operators("module {\n" + line + "\n}", {"MoERouterTopK"})
-    with pytest.raises(BackendError, match=re.escape(error)):
+    k = attrs["k"]
+    op = TorchOperator("MoERouterTopK", "router", attrs, [VTensor.parse(f"!torch.vtensor<{types}>")],
+                       [VTensor.parse(f"!torch.vtensor<[?,{k}],f32>"), VTensor.parse(f"!torch.vtensor<[?,{k}],si64>")])
+    with pytest.raises(BackendError, match=re.escape(error) + ".*at node 'router'|" + "at node 'router'.*" + re.escape(error)):
         MoERouterTopK().lower_iree(op, PatchContext(folder=Path("."), target="llvm-cpu"))
 
 

@@ -48,6 +48,7 @@ class Manifest:
             ``rewrite.backends.ort.OPT_LEVELS``; ``config``: session config entries), chosen so that the
             runtime's own graph optimizations keep the lowered graph's meaning; ``run``, ``verify`` and
             ``generate`` use it.
+        target_options: what the target was compiled for beyond its name (iree cuda: ``cuda_sm``).
     """
 
     backend: str
@@ -66,6 +67,7 @@ class Manifest:
     report: list[dict] = field(default_factory=list)
     decoder: dict | None = None
     session: dict = field(default_factory=dict)
+    target_options: dict = field(default_factory=dict)
     format: str = MANIFEST_FORMAT
 
     def write(self, folder: Path) -> None:

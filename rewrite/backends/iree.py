@@ -2,7 +2,11 @@
 
 Steps in the output folder: ``model.onnx`` (rewritten, with value_info on every value) -> ``model.mlir``
 (+ ``model.irpa`` holding initializers of at least ``param_threshold`` elements) -> ``model.vmfb``.
-Between import and compile, plugins' IREE lowerings patch their abstract ops into extern dispatches.
+Between import and compile the module is held through the MLIR bindings (:mod:`rewrite.backends.mlir`): the
+abstract ops' lowerings are patched in (:mod:`rewrite.backends.iree_patch`), ``--stateful`` moves the KV cache
+into module state (:mod:`rewrite.backends.iree_stateful`), and the module is verified before it is written.
+Those modules import the compiler package and are imported only here, when lowering: running a folder needs
+``iree-base-runtime`` alone.
 """
 
 from __future__ import annotations
@@ -14,15 +18,15 @@ import onnx
 from onnx import numpy_helper
 
 from rewrite.backends.base import Manifest, check_feeds
-from rewrite.backends.iree_patch import PatchContext, patch_module, unlowered_ops
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.analysis import REDUCE_OPS, known_before_run
 from rewrite.core.feeds import input_specs, specs_of
+from rewrite.core.iree_lowering import PatchContext
+from rewrite.core.kernels import DEFAULT_CUDA_ARCH
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError
-from rewrite.backends.iree_stateful import make_module_stateful
 
 DEFAULT_PARAM_THRESHOLD = 4096  #: initializers with at least this many elements go to the .irpa
 
@@ -134,21 +138,34 @@ class IreeBackend:
         finally:
             if import_path != onnx_path:
                 import_path.unlink(missing_ok=True)
+        from rewrite.backends.iree_patch import patch_module, unlowered_ops
+        from rewrite.backends.iree_stateful import make_module_stateful
+        from rewrite.backends.mlir import MlirModule
+
+        sm = str(options.get("cuda_sm", DEFAULT_CUDA_ARCH))
+        if not (sm.startswith("sm_") and sm[3:].isdigit()):
+            raise BackendError(f"--cuda-sm {sm}: expected an NVIDIA SM architecture such as sm_80 or sm_90")
         used = {n.op_type for n in graph.nodes.values() if n.domain == DOMAIN}
         missing = sorted(used - set(lowerings))
         if missing:
             raise BackendError(f"no IREE lowering for {manifest.target} registered for abstract op(s) {', '.join(missing)}")
+        mod = MlirModule(res.mlir_path.read_text(), str(res.mlir_path))
         if used:
-            ctx = PatchContext(folder=folder, target=manifest.target)
-            mlir, _ = patch_module(res.mlir_path.read_text(), {t: lowerings[t] for t in used}, ctx)
-            left = unlowered_ops(mlir, used)
+            ctx = PatchContext(folder=folder, target=manifest.target, cuda_arch=sm)
+            patch_module(mod, {t: lowerings[t] for t in used}, ctx)
+            left = unlowered_ops(mod, used)
             if left:
                 raise BackendError(f"abstract op(s) {', '.join(left)} left in {res.mlir_path} after lowering")
-            res.mlir_path.write_text(mlir)
             manifest.kernel_objects = list(ctx._kernel_objects)
         if options.get("stateful"):
-            make_module_stateful(res.mlir_path, res.entry_function, manifest, graph)
-        compile_mlir(res.mlir_path, folder / "model.vmfb", target=manifest.target)
+            make_module_stateful(mod, res.entry_function, manifest, graph)
+        if used or options.get("stateful"):
+            mod.verify(f"{res.mlir_path} after the lowerings{' and --stateful' if options.get('stateful') else ''}")
+            res.mlir_path.write_text(mod.text())
+        compile_mlir(res.mlir_path, folder / "model.vmfb", target=manifest.target,
+                     extra_flags=[f"--iree-cuda-target={sm}"] if manifest.target == "cuda" else [])
+        if manifest.target == "cuda":
+            manifest.target_options = {"cuda_sm": sm}
         manifest.entry_function = res.entry_function
         manifest.files.update(mlir="model.mlir", vmfb="model.vmfb", compile_log="compile.log")
         if res.params_path is not None:

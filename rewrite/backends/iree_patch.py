@@ -1,74 +1,86 @@
-"""Patching abstract ops into the MLIR that IREE's ONNX importer produced.
+"""Patching abstract ops into the module that IREE's ONNX importer produced, through the MLIR bindings.
 
-The importer writes a custom-domain node as (attributes prefixed ``torch.onnx.``)::
+The importer writes a custom-domain node as a ``torch.operator`` whose ``name`` is ``"onnx.<op_type>"``, with
+the node's attributes prefixed ``torch.onnx.`` and its location named after the node::
 
-    %1:2 = torch.operator "onnx.MoERouterTopK"(%0) {torch.onnx.k = 4 : si64} : (!torch.vtensor<[?,60],f32>) -> (!torch.vtensor<[?,4],f32>, !torch.vtensor<[?,4],si64>)
+    %1:2 = torch.operator "onnx.MoERouterTopK"(%0) {torch.onnx.k = 4 : si64} : (!torch.vtensor<[?,60],f32>) -> (...) loc("router")
 
-:func:`patch_module` finds each such line for a registered abstract op, asks the op for an
-:class:`IreeLowering` and replaces the line with a ``func.call`` of a private wrapper function that converts
-to builtin tensors (``torch_c.to_builtin_tensor``), runs the lowering's body (tensor ops, or a
-``flow.dispatch`` of a ``stream.executable`` whose kernel object is linked statically, the route that works
-on llvm-cpu in IREE 3.13: ``hal.dispatch.extern`` crashes iree-compile there), and converts back.
+:func:`patch_module` finds each such op of a lowered op type structurally (:mod:`rewrite.backends.mlir`), reads
+its typed attributes and operand types into a :class:`~rewrite.core.iree_lowering.TorchOperator`, asks the
+lowering for an :class:`~rewrite.core.iree_lowering.IreeLowering`, parses a private wrapper function (converting
+to builtin tensors with ``torch_c.to_builtin_tensor``, the lowering's body: tensor ops, or a ``flow.dispatch``
+of an executable whose kernel object is linked in, and back) and the lowering's module items in the module's
+context, and replaces the op by a ``func.call`` of the wrapper. A body that does not parse or verify is an
+error naming the ONNX node, before iree-compile runs.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Callable
 
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, VTensor, split_types
+from iree.compiler import ir
+
+from rewrite.backends.mlir import MlirModule, node_of
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, VTensor
 from rewrite.errors import BackendError
 
-__all__ = ["IreeLowering", "PatchContext", "TorchOperator", "VTensor", "find_operators", "patch_module", "split_resources",
+__all__ = ["IreeLowering", "PatchContext", "TorchOperator", "VTensor", "abstract_ops", "find_operators", "patch_module",
            "unlowered_ops"]
 
-_OP_RE = re.compile(
-    r'^(?P<indent>\s*)(?P<res>%[\w.$#-]+)(?::(?P<count>\d+))? = torch\.operator "onnx\.(?P<op>\w+)"\((?P<args>[^)]*)\)\s*'
-    r"(?:\{(?P<attrs>.*)\}\s*)?:\s*\((?P<in_types>.*?)\)\s*->\s*(?P<out_types>.+?)\s*$",
-    re.M,
-)
+ATTR_PREFIX = "torch.onnx."  #: how the importer prefixes a node's attributes
 
-def _parse_attrs(s: str | None) -> dict[str, object]:
-    out: dict[str, object] = {}
-    if not s:
-        return out
-    for m in re.finditer(r"torch\.onnx\.(\w+)\s*=\s*(\"[^\"]*\"|\[[^\]]*\]|[^,]+?)(?:\s*:\s*(\w+))?(?=,\s*torch\.onnx\.|$)", s):
-        name, raw, ty = m.group(1), m.group(2).strip(), m.group(3)
-        if raw.startswith('"'):
-            out[name] = raw[1:-1]
-        elif raw.startswith("["):
-            out[name] = [float(x.split(":")[0]) if "." in x or "e" in x.lower() else int(x.split(":")[0]) for x in raw[1:-1].split(",") if x.strip()]
-        elif ty and ty.startswith("f"):
-            out[name] = float(raw)
-        else:
-            try:
-                out[name] = int(raw)
-            except ValueError:
-                out[name] = float(raw)
+
+def _value(attr: ir.Attribute):
+    """A Python value for an imported attribute: int, float, str, or a list of them."""
+    attr = attr.maybe_downcast() if hasattr(attr, "maybe_downcast") else attr
+    if isinstance(attr, ir.BoolAttr):
+        return int(attr.value)
+    if isinstance(attr, ir.IntegerAttr):
+        return int(attr.value)
+    if isinstance(attr, ir.FloatAttr):
+        return float(attr.value)
+    if isinstance(attr, ir.StringAttr):
+        return attr.value
+    if isinstance(attr, ir.ArrayAttr):
+        return [_value(a) for a in attr]
+    return str(attr)
+
+
+def _operator(op: ir.Operation, op_type: str) -> TorchOperator:
+    attrs = {}
+    for k in range(len(op.attributes)):
+        na = op.attributes[k]
+        if na.name.startswith(ATTR_PREFIX):
+            attrs[na.name[len(ATTR_PREFIX):]] = _value(na.attr)
+    return TorchOperator(op_type=op_type, node=node_of(op), attrs=attrs,
+                         operand_types=[VTensor.parse(str(v.type)) for v in op.operands],
+                         result_types=[VTensor.parse(str(r.type)) for r in op.results])
+
+
+def abstract_ops(mod: MlirModule, op_types: set[str] | None = None) -> list[tuple[ir.Operation, TorchOperator]]:
+    """Every imported ``torch.operator "onnx.<op_type>"`` (of ``op_types`` when given), with its reading."""
+    out = []
+    for op in mod.walk("torch.operator"):
+        name = ir.StringAttr(op.attributes["name"]).value
+        if not name.startswith("onnx."):
+            continue
+        op_type = name[len("onnx."):]
+        if op_types is None or op_type in op_types:
+            out.append((op, _operator(op, op_type)))
     return out
 
 
 def find_operators(mlir: str, op_types: set[str] | None = None) -> list[TorchOperator]:
-    """Every ``torch.operator "onnx.<op_type>"`` line (restricted to ``op_types`` when given)."""
-    ops = []
-    for m in _OP_RE.finditer(mlir):
-        if op_types is not None and m.group("op") not in op_types:
-            continue
-        args = [a.strip() for a in m.group("args").split(",") if a.strip()]
-        outs = m.group("out_types").strip()
-        ops.append(
-            TorchOperator(
-                op_type=m.group("op"),
-                result=m.group("res"),
-                num_results=int(m.group("count") or 1),
-                operands=args,
-                attrs=_parse_attrs(m.group("attrs")),
-                operand_types=[VTensor.parse(t) for t in split_types(m.group("in_types"))],
-                result_types=[VTensor.parse(t) for t in split_types(outs if outs.startswith("(") else f"({outs})")],
-                line=m.group(0),
-            )
-        )
-    return ops
+    """:func:`abstract_ops` of a module's text, readings only (for tests and tools)."""
+    return [t for _, t in abstract_ops(MlirModule(mlir, "MLIR"), op_types)]
+
+
+def _opset(mod: MlirModule, default: int) -> int:
+    """The default-domain opset the importer records on its functions (the torch pipeline wants it on every one)."""
+    for op in mod.walk("func.func"):
+        if "torch.onnx_meta.opset_version" in op.attributes:
+            return int(_value(op.attributes["torch.onnx_meta.opset_version"]))
+    return default
 
 
 def _wrapper(name: str, op: TorchOperator, low: IreeLowering, opset: int) -> str:
@@ -93,48 +105,34 @@ def _wrapper(name: str, op: TorchOperator, low: IreeLowering, opset: int) -> str
     return "\n".join(lines)
 
 
-def split_resources(mlir: str) -> tuple[str, str]:
-    """``(module text, trailer)``: the importer may append a ``{-# dialect_resources ... #-}`` block after the
-    module, so "the last ``}``" is not the module's end; patches must go into the first part."""
-    k = mlir.find("\n{-#")
-    return (mlir, "") if k < 0 else (mlir[:k + 1], mlir[k + 1:])
+def patch_module(mod: MlirModule, lowerers: dict[str, Callable[[TorchOperator, PatchContext], IreeLowering]],
+                 ctx: PatchContext) -> int:
+    """Replace every imported abstract op of ``lowerers`` in ``mod`` by a call of its lowering's wrapper;
+    returns how many were replaced.
 
-
-def patch_module(mlir: str, lowerers: dict[str, Callable[[TorchOperator, PatchContext], IreeLowering]], ctx: PatchContext) -> tuple[str, int]:
-    """Replace every imported abstract op with a call to its lowering's wrapper.
-
-    Returns (patched MLIR, number of ops patched). Raises BackendError when an op in ``lowerers`` cannot be
-    lowered (the message names the op and the reason).
+    Raises:
+        BackendError: a lowering refuses or fails, or what it returns does not parse (the message names the op
+            and its ONNX node).
     """
-    ops = find_operators(mlir, set(lowerers))
-    if not ops:
-        return mlir, 0
-    m = re.search(r"torch\.onnx_meta\.opset_version = (\d+)", mlir)
-    opset = int(m.group(1)) if m else ctx.opset_version
-    items: dict[str, str] = {}
-    wrappers: list[str] = []
-    for k, op in enumerate(ops):
+    found = abstract_ops(mod, set(lowerers))
+    if not found:
+        return 0
+    opset = _opset(mod, ctx.opset_version)
+    for k, (op, top) in enumerate(found):
+        what = f"IREE lowering of {top.op_type} {top.where}"
         try:
-            low = lowerers[op.op_type](op, ctx)
+            low = lowerers[top.op_type](top, ctx)
         except BackendError:
             raise
-        except Exception as e:  # a lowering bug must still name the op, not end in a traceback
-            raise BackendError(f"IREE lowering of {op.op_type} ({op.result} = ...) failed: {type(e).__name__}: {e}") from e
-        items.update(low.module_items)
-        name = f"rewrite_{op.op_type}_{k}"
-        wrappers.append(_wrapper(name, op, low, opset))
-        res = op.result if op.num_results == 1 else f"{op.result}:{op.num_results}"
-        types_in = ", ".join(t.text for t in op.operand_types)
-        types_out = ", ".join(t.text for t in op.result_types)
-        indent = re.match(r"\s*", op.line).group(0)
-        call = f"{indent}{res} = func.call @{name}({', '.join(op.operands)}) : ({types_in}) -> ({types_out})"
-        mlir = mlir.replace(op.line, call, 1)
-    module, trailer = split_resources(mlir)
-    end = module.rstrip().rfind("}")
-    mlir = module[:end] + "\n".join(items.values()) + "\n" + "\n".join(wrappers) + "\n" + module[end:] + trailer
-    return mlir, len(ops)
+        except Exception as e:  # a lowering bug must still name the node, not end in a traceback
+            raise BackendError(f"{what} failed: {type(e).__name__}: {e}") from e
+        name = f"rewrite_{top.op_type}_{k}"
+        # the wrapper with the items it references: a piece that verifies alone, so its errors are this op's
+        mod.add("\n".join([*low.module_items.values(), _wrapper(name, top, low, opset)]), what)
+        mod.replace_with_call(op, name)
+    return len(found)
 
 
-def unlowered_ops(mlir: str, names: set[str]) -> list[str]:
+def unlowered_ops(mod: MlirModule, names: set[str]) -> list[str]:
     """Abstract op types still present as torch.operator after patching (should be none)."""
-    return sorted({op.op_type for op in find_operators(mlir, names)})
+    return sorted({t.op_type for _, t in abstract_ops(mod, names)})

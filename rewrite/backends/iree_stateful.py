@@ -7,16 +7,18 @@ tensors, entry ``k`` = the ``k``-th (past, present) pair): two globals with equa
 by iree-compile 3.13 and then alias (seed: "IREE aliases the insert_slice destination to the global's
 storage"; reproduced on iree-compile 3.13 with two globals of equal initial values).
 
-:func:`make_stateful` patches the importer's MLIR text of the entry function:
+:func:`make_stateful` rewrites the entry function through the MLIR bindings (:mod:`rewrite.backends.mlir`); what
+it adds is a set of small private functions, parsed in the module's context, that iree-compile inlines:
 
-* each past argument ``%argK`` is removed from the signature and defined at the top of the body as
-  ``tensor.extract_slice`` of ``util.global.load @rewrite_kv_state`` (converted with
-  ``torch_c.from_builtin_tensor``);
+* each past argument is removed from the signature; its uses read ``@rewrite_kv_state_slot_<k>`` (a
+  ``tensor.extract_slice``) of the state loaded once at the top (``util.global.load @rewrite_kv_state``);
 * each present result is removed from ``return``. A present computed by ``KVCacheUpdate`` of its own past
-  (the ``kv`` plugin) becomes "insert this call's new rows into the global at (slot, position), read the
-  present back as a slice of it", so no layer's whole cache is copied out of and back into the global;
-  any other present is written back whole with ``tensor.insert_slice``. The global is stored once
-  (``util.global.store``) before the return;
+  (the ``kv`` plugin's ``func.call @rewrite_KVCacheUpdate_*``) becomes ``@rewrite_kv_state_write_<k>``: insert this
+  call's new rows into the state at (slot, position) and read the present back as a slice of it, so no layer's
+  whole cache is copied out of and back into the global; any other present is written back whole
+  (``@rewrite_kv_state_put_<k>``, ``tensor.insert_slice``). The state is stored once before the return
+  (``util.global.store``; load and store are the entry function's own ops: iree-compile's torch conversion
+  refuses a ``util.global.store`` in a private function);
 * a public function ``@rewrite_kv_state_get() -> tensor<N x ...>`` returns the global (for tests and tools).
 
 The function then takes the remaining inputs (token ids, position) and returns the remaining outputs
@@ -25,16 +27,20 @@ The function then takes the remaining inputs (token ids, position) and returns t
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from rewrite.backends.iree_patch import split_resources
-from rewrite.core.iree_lowering import VTensor, insert_rows_mlir, split_types
+from iree.compiler import ir
+from iree.compiler.dialects import func, util
+
+from rewrite.backends.mlir import MlirModule
+from rewrite.core.iree_lowering import VTensor, insert_rows_mlir
 from rewrite.core.interface import cache_pairs
 from rewrite.errors import BackendError
 
 STATE_GLOBAL = "rewrite_kv_state"
 STATE_GETTER = "rewrite_kv_state_get"
+_HELPER = "rewrite_kv_state_"  #: prefix of the private helper functions
+KV_UPDATE_CALL = "rewrite_KVCacheUpdate_"  #: the patched KVCacheUpdate wrappers (rewrite.backends.iree_patch)
 
 
 @dataclass
@@ -60,128 +66,146 @@ class StateSpec:
         return dict(name=self.name, getter=self.getter, shape=self.shape, dtype=self.dtype, entries=self.entries, axis=self.axis)
 
 
-_FUNC_RE = r'^(?P<indent>\s*)func\.func\s+(?:public\s+)?@(?:"{q}"|{q})\((?P<args>.*?)\)\s*->\s*(?P<res>\(.*?\)|!torch\.vtensor<[^>]*>)\s*(?P<attrs>attributes\s*\{{.*\}})?\s*\{{\s*$'
+def _call(callee: str, results: list[ir.Type], operands: list[ir.Value], before: ir.Operation, loc: ir.Location) -> ir.Operation:
+    with ir.InsertionPoint(before), loc:
+        return func.CallOp(results, ir.FlatSymbolRefAttr.get(callee), operands).operation
 
 
-def make_stateful(mlir: str, function: str, input_names: list[str], output_names: list[str],
-                  pairs: list[tuple[str, str]], onnx_dtype: str, axis: int | None = None) -> tuple[str, StateSpec]:
-    """Move the cache tensors of ``pairs`` ((input name, output name), in slot order) into module state.
+def _direct_update(value: ir.Value, past: ir.Value, block: ir.Block) -> ir.Operation | None:
+    """The ``func.call @rewrite_KVCacheUpdate_*(past, update, position)`` in ``block`` that computes ``value``."""
+    owner = value.owner
+    if not isinstance(owner, ir.Operation):
+        owner = getattr(owner, "operation", None)
+    if owner is None or owner.name != "func.call" or owner.parent is None or owner.block != block:
+        return None
+    callee = ir.FlatSymbolRefAttr(owner.attributes["callee"]).value
+    if not callee.startswith(KV_UPDATE_CALL) or len(owner.operands) != 3 or owner.operands[0] != past:
+        return None
+    return owner
 
-    ``input_names``/``output_names``: the entry function's arguments/results in order (graph inputs
-    without initializers, graph outputs). Every paired tensor must have the same static type.
 
-    When ``axis`` is given and a present is ``KVCacheUpdate(past, update, position)`` of its own past (the
-    patched ``func.call @rewrite_KVCacheUpdate_*``), only the ``update`` rows are written into the global
-    (at slot, ``position``) and the present is read back as a slice of it: no copy of the whole entry in and out.
+def make_stateful(mod: MlirModule, function: str, input_names: list[str], output_names: list[str],
+                  pairs: list[tuple[str, str]], onnx_dtype: str, axis: int | None = None) -> StateSpec:
+    """Move the cache tensors of ``pairs`` ((input name, output name), in slot order) into module state, in place.
 
-    Returns (patched MLIR, the state's :class:`StateSpec`).
+    ``input_names``/``output_names``: the entry function's arguments/results in order (graph inputs, graph
+    outputs). Every paired tensor must have the same static type. When ``axis`` is given, a present that is
+    ``KVCacheUpdate(past, update, position)`` of its own past is written as its new rows only (module docstring).
 
     Raises:
         BackendError: the entry function or a name is not found, a cache type is dynamic, or types differ.
     """
-    module, trailer = split_resources(mlir)
-    m = re.search(_FUNC_RE.format(q=re.escape(function)), module, re.M)
-    if m is None:
-        raise BackendError(f"stateful: entry function @{function} not found in the imported MLIR")
-    args = split_types(m.group("args"))
-    res_types = split_types(m.group("res")) if m.group("res").startswith("(") else [m.group("res")]
-    if len(args) != len(input_names) or len(res_types) != len(output_names):
-        raise BackendError(f"stateful: @{function} has {len(args)} args/{len(res_types)} results, the model {len(input_names)} inputs/{len(output_names)} outputs")
-    arg_names = [a.split(":", 1)[0].strip() for a in args]
-    arg_types = [a.split(":", 1)[1].strip() for a in args]
+    fn = mod.function(function)
+    block = fn.regions[0].blocks[0]
+    ret = list(block.operations)[-1].operation
+    args, results = list(block.arguments), list(ret.operands)
+    if len(args) != len(input_names) or len(results) != len(output_names):
+        raise BackendError(f"stateful: @{function} has {len(args)} args/{len(results)} results, the model "
+                           f"{len(input_names)} inputs/{len(output_names)} outputs")
     slots = []
     for past, present in pairs:
         if past not in input_names or present not in output_names:
             raise BackendError(f"stateful: cache pair ({past}, {present}) is not an (input, output) of the model")
         i, o = input_names.index(past), output_names.index(present)
-        t_in, t_out = VTensor.parse(arg_types[i]), VTensor.parse(res_types[o])
+        t_in, t_out = VTensor.parse(str(args[i].type)), VTensor.parse(str(results[o].type))
         if None in t_in.dims or t_in.text != t_out.text:
-            raise BackendError(f"stateful: cache '{past}' -> '{present}' has type {t_in.text} -> {t_out.text}; a static, unchanged type is needed (run the kv plugin with --max-seq)")
+            raise BackendError(f"stateful: cache '{past}' -> '{present}' has type {t_in.text} -> {t_out.text}; a static, "
+                               "unchanged type is needed (run the kv plugin with --max-seq)")
         slots.append((i, o, t_in))
     entry = slots[0][2]
     if any(t.text != entry.text for _, _, t in slots):
         raise BackendError("stateful: cache tensors differ in type; one combined global needs equal types")
     n, r = len(slots), len(entry.dims)
     gtype = "tensor<" + "x".join(str(d) for d in [n, *entry.dims]) + "x" + entry.builtin_element + ">"
+    direct = {k: _direct_update(results[o], args[i], block) if axis is not None else None for k, (i, o, _) in enumerate(slots)}
+    opset = fn.attributes["torch.onnx_meta.opset_version"] if "torch.onnx_meta.opset_version" in fn.attributes else None
     zero = "0.0" if entry.builtin_element.startswith(("f", "bf")) else "0"
-    state_args = {i for i, _, _ in slots}
-    state_res = {o for _, o, _ in slots}
+    state_global = f"util.global private mutable @{STATE_GLOBAL} = dense<{zero}> : {gtype}"
+    mod.add(state_global, "stateful KV cache", first=True)
+    # the helpers' piece holds the global again (left out when added: the same op) so that it verifies alone
+    mod.add(state_global + "\n" + _helpers(slots, direct, gtype, entry, r, axis, str(opset) if opset is not None else None),
+            "stateful KV cache")
 
-    new_args = ", ".join(a for k, a in enumerate(args) if k not in state_args)
-    kept_res = [t for k, t in enumerate(res_types) if k not in state_res]
-    head = f"{m.group('indent')}func.func @{_sym(function)}({new_args}) -> ({', '.join(kept_res)})"
-    if m.group("attrs"):
-        head += " " + m.group("attrs")
-    head += " {"
+    loc = fn.location
+    g = ir.Type.parse(gtype, mod.context)
+    first = list(block.operations)[0].operation
+    with ir.InsertionPoint(first), loc:  # the global's load and store sit in the entry function itself: iree-compile's
+        state = util.GlobalLoadOp(g, STATE_GLOBAL).result  # torch conversion refuses a store in a private function
+    for k, (i, _, t) in enumerate(slots):
+        past = _call(f"{_HELPER}slot_{k}", [args[i].type], [state], first, loc).results[0]
+        args[i].replace_all_uses_with(past)
+    for k in sorted((k for k, c in direct.items() if c is not None), key=lambda k: _position(block, direct[k])):
+        call = direct[k]
+        w = _call(f"{_HELPER}write_{k}", [g, call.results[0].type], [state, call.operands[1], call.operands[2]], call, call.location)
+        call.results[0].replace_all_uses_with(w.results[1])
+        call.erase()
+        state = w.results[0]
+    for k, (_, o, _) in enumerate(slots):
+        if direct[k] is None:
+            state = _call(f"{_HELPER}put_{k}", [g], [state, ret.operands[o]], ret, loc).results[0]
+    with ir.InsertionPoint(ret), loc:
+        util.GlobalStoreOp(state, STATE_GLOBAL)
+    state_res = {o for _, o, _ in slots}
+    kept = [v for k, v in enumerate(ret.operands) if k not in state_res]
+    with ir.InsertionPoint(ret), ret.location:
+        func.ReturnOp(kept)
+    ret.erase()
+    for i in sorted((i for i, _, _ in slots), reverse=True):
+        block.erase_argument(i)
+    fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get([a.type for a in block.arguments], [v.type for v in kept]))
+    for key, drop in (("arg_attrs", {i for i, _, _ in slots}), ("res_attrs", state_res)):
+        if key in fn.attributes:
+            fn.attributes[key] = ir.ArrayAttr.get([a for k, a in enumerate(ir.ArrayAttr(fn.attributes[key])) if k not in drop])
+    for op in list(block.operations):  # slot reads nothing uses any more (their presents are written directly)
+        op = op.operation
+        if op.name == "func.call" and ir.FlatSymbolRefAttr(op.attributes["callee"]).value.startswith(f"{_HELPER}slot_") \
+                and not list(op.results[0].uses):
+            op.erase()
+    return StateSpec(STATE_GLOBAL, STATE_GETTER, [n, *entry.dims], onnx_dtype,
+                     [{"input": input_names[i], "output": output_names[o]} for i, o, _ in slots])
+
+
+def _position(block: ir.Block, op: ir.Operation) -> int:
+    for k, o in enumerate(block.operations):
+        if o.operation == op:
+            return k
+    raise BackendError("stateful: a KV cache update is not in the entry function's body")
+
+
+def _helpers(slots, direct, gtype: str, entry: VTensor, r: int, axis: int | None, opset: str | None) -> str:
+    """The getter and the private helpers of :func:`make_stateful`, as one piece of MLIR (it loads the global,
+    which the module must hold already)."""
+    attrs = f" attributes {{torch.onnx_meta.opset_version = {opset}}}" if opset else ""  # the torch pipeline wants it on every function
     ones = ", ".join("1" for _ in range(r + 1))
     sizes = ", ".join(["1", *(str(d) for d in entry.dims)])
-    load = [f"    %rw_state = util.global.load @{STATE_GLOBAL} : {gtype}"]
-    for k, (i, _, t) in enumerate(slots):
+    t, b = entry.text, entry.builtin
+    out = [f"func.func @{STATE_GETTER}() -> {gtype}{attrs} {{\n  %s = util.global.load @{STATE_GLOBAL} : {gtype}\n  return %s : {gtype}\n}}"]
+    for k, _slot in enumerate(slots):
         offs = ", ".join([str(k)] + ["0"] * r)
-        load += [f"    %rw_past{k} = tensor.extract_slice %rw_state[{offs}] [{sizes}] [{ones}] : {gtype} to {t.builtin}",
-                 f"    {arg_names[i]} = torch_c.from_builtin_tensor %rw_past{k} : {t.builtin} -> {t.text}"]
-    body_start = m.end()
-    # the entry function's return: the first `return` after its header (patched-in wrappers come after it)
-    ret_re = re.compile(r"^(?P<ind>\s*)return (?P<vals>[^:]+?)\s*:\s*(?P<types>.+)$", re.M)
-    ret = ret_re.search(module, body_start)
-    if ret is None:
-        raise BackendError(f"stateful: no return in @{function}")
-    vals = [v.strip() for v in ret.group("vals").split(",")]
-    body = module[body_start: ret.start()]
-    direct: list[tuple[int, re.Match]] = []
-    for k, (i, o, t) in enumerate(slots if axis is not None else []):
-        call = re.search(rf"^\s*{re.escape(vals[o])} = func\.call @rewrite_KVCacheUpdate_\d+\({re.escape(arg_names[i])}, "
-                         r"(?P<u>%[\w#.]+), (?P<p>%[\w#.]+)\) : \((?P<types>.*)\) -> .*$", body, re.M)
-        if call is not None:
-            direct.append((k, call))
-    cur = "%rw_state"
-    pieces, last = [], 0
-    for k, call in sorted(direct, key=lambda kc: kc[1].start()):
-        t_u, t_p = (VTensor.parse(x) for x in split_types(call.group("types"))[1:3])
-        t = slots[k][2]
-        offs = ", ".join([str(k)] + ["0"] * r)
-        lines = [f"    %rw_u{k} = torch_c.to_builtin_tensor {call.group('u')} : {t_u.text} -> {t_u.builtin}",
-                 f"    %rw_pos{k} = torch_c.to_builtin_tensor {call.group('p')} : {t_p.text} -> {t_p.builtin}",
-                 insert_rows_mlir(f"rw_w{k}", cur, gtype, [str(k)], f"%rw_u{k}", t_u, f"%rw_pos{k}", t_p, t.dims[axis], axis, f"%rw_statew{k}"),
-                 f"    %rw_e{k} = tensor.extract_slice %rw_statew{k}[{offs}] [{sizes}] [{ones}] : {gtype} to {t.builtin}",
-                 f"    {vals[slots[k][1]]} = torch_c.from_builtin_tensor %rw_e{k} : {t.builtin} -> {t.text}"]
-        pieces += [body[last: call.start()], "\n".join(lines)]
-        last = call.end()
-        cur = f"%rw_statew{k}"
-    body = "".join(pieces) + body[last:]
-    store = []
-    done = {k for k, _ in direct}
-    for k, (_, o, t) in enumerate(slots):
-        if k in done:
+        out.append(f"func.func private @{_HELPER}slot_{k}(%s: {gtype}) -> {t}{attrs} {{\n"
+                   f"  %e = tensor.extract_slice %s[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
+                   f"  %v = torch_c.from_builtin_tensor %e : {b} -> {t}\n  return %v : {t}\n}}")
+        call = direct[k]
+        if call is None:
+            out.append(f"func.func private @{_HELPER}put_{k}(%s: {gtype}, %x: {t}) -> {gtype}{attrs} {{\n"
+                       f"  %b = torch_c.to_builtin_tensor %x : {t} -> {b}\n"
+                       f"  %w = tensor.insert_slice %b into %s[{offs}] [{sizes}] [{ones}] : {b} into {gtype}\n"
+                       f"  return %w : {gtype}\n}}")
             continue
-        offs = ", ".join([str(k)] + ["0"] * r)
-        store += [f"    %rw_present{k} = torch_c.to_builtin_tensor {vals[o]} : {t.text} -> {t.builtin}",
-                  f"    %rw_state{k + 1} = tensor.insert_slice %rw_present{k} into {cur}[{offs}] [{sizes}] [{ones}] : {t.builtin} into {gtype}"]
-        cur = f"%rw_state{k + 1}"
-    store.append(f"    util.global.store {cur}, @{STATE_GLOBAL} : {gtype}")
-    kept_vals = [v for k, v in enumerate(vals) if k not in state_res]
-    store.append(f"{ret.group('ind')}return {', '.join(kept_vals)} : {', '.join(kept_res)}")
-    new = (module[: m.start()] + f"  util.global private mutable @{STATE_GLOBAL} = dense<{zero}> : {gtype}\n"
-           + head + "\n" + "\n".join(load) + body + "\n".join(store) + module[ret.end():])
-    end = new.rstrip().rfind("}")
-    opset = re.search(r"torch\.onnx_meta\.opset_version = (\d+)", module)
-    attrs = f" attributes {{torch.onnx_meta.opset_version = {opset.group(1)} : si64}}" if opset else ""  # the torch input pipeline wants it on every function
-    getter = (f"  func.func @{STATE_GETTER}() -> {gtype}{attrs} {{\n    %s = util.global.load @{STATE_GLOBAL} : {gtype}\n"
-              f"    return %s : {gtype}\n  }}\n")
-    new = new[:end] + getter + new[end:]
-    spec = StateSpec(STATE_GLOBAL, STATE_GETTER, [n, *entry.dims], onnx_dtype,
-                     [{"input": input_names[i], "output": output_names[o]} for i, o, _ in slots])
-    return new + trailer, spec
+        t_u, t_p = VTensor.parse(str(call.operands[1].type)), VTensor.parse(str(call.operands[2].type))
+        out.append(f"func.func private @{_HELPER}write_{k}(%s: {gtype}, %u: {t_u.text}, %p: {t_p.text}) -> ({gtype}, {t}){attrs} {{\n"
+                   f"  %ub = torch_c.to_builtin_tensor %u : {t_u.text} -> {t_u.builtin}\n"
+                   f"  %pb = torch_c.to_builtin_tensor %p : {t_p.text} -> {t_p.builtin}\n"
+                   + insert_rows_mlir("w", "%s", gtype, [str(k)], "%ub", t_u, "%pb", t_p, entry.dims[axis], axis, "%w") + "\n"
+                   f"  %e = tensor.extract_slice %w[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
+                   f"  %v = torch_c.from_builtin_tensor %e : {b} -> {t}\n  return %w, %v : {gtype}, {t}\n}}")
+    return "\n".join(out)
 
 
-def _sym(name: str) -> str:
-    return name if re.fullmatch(r"[\w$.\-]+", name) else '"' + name.replace('"', '\\"') + '"'
-
-
-def make_module_stateful(mlir_path, function: str, manifest, graph) -> StateSpec:
-    """Patch ``mlir_path`` in place with :func:`make_stateful` for every static KV cache pair of the model (found
-    from what the graph computes, :func:`rewrite.core.interface.cache_pairs`); record the state in ``manifest.state`` and drop the cache tensors from
-    ``manifest.inputs``/``outputs``. The sequence axis is the one dim where a KVCacheUpdate writes, when the
+def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> StateSpec:
+    """:func:`make_stateful` for every static KV cache pair of the model (found from what the graph computes,
+    :func:`rewrite.core.interface.cache_pairs`); record the state in ``manifest.state`` and drop the cache tensors
+    from ``manifest.inputs``/``outputs``. The sequence axis is the one dim where a KVCacheUpdate writes, when the
     ``kv`` plugin ran (else None).
 
     Raises:
@@ -200,9 +224,9 @@ def make_module_stateful(mlir_path, function: str, manifest, graph) -> StateSpec
     dtype = next(d["dtype"] for d in manifest.inputs if d["name"] == pairs[0][0])
     axes = {n.attr("axis") for n in graph.nodes.values() if n.op_type == "KVCacheUpdate"}
     axis = axes.pop() if len(axes) == 1 else None
-    mlir, spec = make_stateful(mlir_path.read_text(), function, ins, outs, pairs, dtype, axis)
+    with mod.context:
+        spec = make_stateful(mod, function, ins, outs, pairs, dtype, axis)
     spec.axis = axis
-    mlir_path.write_text(mlir)
     state_in, state_out = {p for p, _ in pairs}, {o for _, o in pairs}
     manifest.inputs = [d for d in manifest.inputs if d["name"] not in state_in]
     manifest.outputs = [d for d in manifest.outputs if d["name"] not in state_out]

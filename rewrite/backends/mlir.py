@@ -82,31 +82,40 @@ class MlirModule:
                 return op.operation
         raise BackendError(f"{self.where}: no function @{name}")
 
-    def add(self, text: str, what: str) -> None:
+    def add(self, text: str, what: str, *, first: bool = False) -> None:
         """Parse ``text`` (top-level ops: functions, executables, globals; the piece must verify on its own, so
         it holds what its functions reference) in this module's context and append its ops to the module. An
         op defining a symbol the module has is left out when it is the same op (an executable that two
-        lowerings share), and refused otherwise.
+        lowerings share), and refused otherwise. ``first``: put the ops at the module's start instead (a global
+        must precede its uses for iree-compile's stream conversion).
 
         Raises:
             BackendError: ``text`` does not parse or verify, or redefines a symbol differently (``what`` names
                 whose text it is, for the message).
         """
-        try:
-            piece = ir.Module.parse("module {\n" + text + "\n}", self.context)
+        try:  # named after ``what``: its ops' locations, and iree-compile's errors in them, say whose they are
+            piece = ir.Operation.parse("module {\n" + text + "\n}", source_name=what, context=self.context)
         except ir.MLIRError as e:
             raise BackendError(f"{what}: its MLIR does not parse: {_diagnostic(e)}") from None
         existing = {ir.StringAttr(op.attributes["sym_name"]).value: op.operation for op in self.body.operations
                     if "sym_name" in op.attributes}
-        for op in list(piece.body.operations):
+        placed = None  # with ``first``: the last op put at the start, to keep the piece's order
+        for op in list(piece.regions[0].blocks[0].operations):
             op = op.operation
             sym = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else None
             if sym in existing:
-                if not op.is_structurally_equivalent(existing[sym]):
+                if op.get_asm(assume_verified=True) != existing[sym].get_asm(assume_verified=True):  # locations aside
                     raise BackendError(f"{what}: defines @{sym} differently from the module's @{sym}")
                 continue
-            op.detach_from_parent()
-            self.body.append(op)
+            if first and placed is not None:  # (move_* take the op from the piece's block themselves)
+                op.move_after(placed)
+                placed = op
+            elif first and len(self.body.operations):
+                op.move_before(self.body.operations[0].operation)
+                placed = op
+            else:
+                op.detach_from_parent()
+                self.body.append(op)
 
     def replace_with_call(self, op: ir.Operation, callee: str, operands: Sequence[ir.Value] | None = None) -> ir.Operation:
         """Replace ``op`` by ``func.call @callee(operands or op's operands)`` with op's result types, at op's

@@ -8,15 +8,14 @@ The backend (:mod:`rewrite.backends.iree_patch`) finds the ops and splices the l
 
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rewrite.core.kernels import DEFAULT_CUDA_ARCH
 from rewrite.errors import BackendError
 
 KERNELS_DIR = "kernels"  #: kernel objects' folder inside an output folder
-_VT_RE = re.compile(r"!torch\.vtensor<\[([^\]]*)\],(\w+)>")  #: a type string, not module text
 
 #: torch element type -> builtin (signless) element type (torch_c.to_builtin_tensor drops signedness)
 BUILTIN_ELEMENT = {"f32": "f32", "f16": "f16", "bf16": "bf16", "f64": "f64", "si64": "i64", "si32": "i32", "si16": "i16",
@@ -51,13 +50,24 @@ class VTensor:
 
     @classmethod
     def parse(cls, text: str) -> "VTensor":
-        if text.strip() == "!torch.none":  # an absent optional input: element "none", no builtin tensor
-            return cls([], "none", text.strip())
-        m = _VT_RE.fullmatch(text.strip())
-        if m is None:
+        """From a type's text: ``!torch.vtensor<[?,60],f32>``, or ``!torch.none`` (an absent optional input:
+        element "none", no builtin tensor).
+
+        Raises:
+            BackendError: anything else (a value without value_info is imported untyped).
+        """
+        t = text.strip()
+        if t == "!torch.none":
+            return cls([], "none", t)
+        head, tail = "!torch.vtensor<[", ">"
+        dims_text, sep, element = t[len(head):-len(tail)].rpartition("],") if t.startswith(head) and t.endswith(tail) else ("", "", "")
+        try:
+            dims = [None if d.strip() == "?" else int(d) for d in dims_text.split(",") if d.strip()]
+        except ValueError:
+            sep = ""
+        if not sep or not element.isidentifier():
             raise BackendError(f"abstract op operand has type {text}; expected a !torch.vtensor (missing value_info?)")
-        dims = [None if d.strip() == "?" else int(d) for d in m.group(1).split(",") if d.strip()]
-        return cls(dims, m.group(2), text.strip())
+        return cls(dims, element, t)
 
     @property
     def builtin(self) -> str:
@@ -74,20 +84,20 @@ class VTensor:
 
 @dataclass
 class TorchOperator:
-    """One imported abstract-op line, parsed."""
+    """One imported abstract op, as a lowering reads it: ``op_type`` (without the importer's ``onnx.`` prefix),
+    ``node`` (the ONNX node it came from: its location's name, "" when the module has none), ``attrs`` (the
+    node's attributes: int, float, str or lists of them), and its operand and result types."""
 
     op_type: str
-    result: str  # SSA base name, e.g. %1
-    num_results: int
-    operands: list[str]
+    node: str
     attrs: dict[str, object]
     operand_types: list[VTensor]
     result_types: list[VTensor]
-    line: str
 
     @property
-    def results(self) -> list[str]:
-        return [self.result] if self.num_results == 1 else [f"{self.result}#{k}" for k in range(self.num_results)]
+    def where(self) -> str:
+        """``at node 'name'`` for messages."""
+        return f"at node '{self.node}'" if self.node else "(at a node without a location)"
 
 
 @dataclass
@@ -109,11 +119,13 @@ class IreeLowering:
 
 @dataclass
 class PatchContext:
-    """Where and for what the module is being patched: the output ``folder`` and the IREE ``target``."""
+    """Where and for what the module is being patched: the output ``folder``, the IREE ``target`` and, for
+    ``cuda``, the SM architecture."""
 
     folder: Path
     target: str
     opset_version: int = 17
+    cuda_arch: str = DEFAULT_CUDA_ARCH  #: the SM the module is compiled for (``apply --cuda-sm``): build PTX for it
     _kernel_objects: list[str] = field(default_factory=list)
 
     def object_path(self, obj: Path) -> str:

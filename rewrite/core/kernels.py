@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
 
 from rewrite.errors import BackendError
 
-CPU_FLAGS = ("-ffreestanding", "-fPIC", "-fno-stack-protector", "-fno-builtin", "-O3", "-march=x86-64-v2", "-c")
+CPU_FLAGS = ("-ffreestanding", "-fPIC", "-fno-stack-protector", "-fno-builtin", "-O3", "-c")
+#: host architecture -> (IREE's embedded-ELF executable format, gcc flags): objects are built for the machine that
+#: compiles the module, whose llvm-cpu target is its own CPU (``--iree-llvmcpu-target-cpu=host``)
+CPU_TARGETS = {"x86_64": ("embedded-elf-x86_64", ("-march=x86-64-v2",)), "aarch64": ("embedded-elf-arm_64", ("-march=armv8-a",))}
 NVCC_FLAGS = ("-ptx", "-O3")
 DEFAULT_CUDA_ARCH = "sm_80"  #: PTX the H100/H200 (sm_90) and A100 (sm_80) drivers all JIT
 PTX_HEADER = "// rewrite-kernel "  #: first line of a shipped PTX file, then the digest of its source and flags
@@ -48,6 +52,23 @@ def kernel_source(module_file: str, name: str) -> Path:
     return p
 
 
+def _host_cpu() -> tuple[str, tuple[str, ...]]:
+    machine = platform.machine().lower().replace("arm64", "aarch64").replace("amd64", "x86_64")
+    if machine not in CPU_TARGETS:
+        raise BackendError(f"llvm-cpu kernels are built for {', '.join(CPU_TARGETS)}; this machine is {platform.machine()}")
+    return CPU_TARGETS[machine]
+
+
+def cpu_executable_target() -> str:
+    """``#hal.executable.target<"llvm-cpu", "embedded-elf-<arch>">`` for this machine: the key under which a
+    lowering lists its CPU kernel objects in ``hal.executable.objects``.
+
+    Raises:
+        BackendError: a host architecture without kernel flags (:data:`CPU_TARGETS`).
+    """
+    return f'#hal.executable.target<"llvm-cpu", "{_host_cpu()[0]}">'
+
+
 def build_cpu_object(source: Path, *, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile a C kernel to an object for IREE llvm-cpu static linking; returns the cached object's path.
 
@@ -57,7 +78,7 @@ def build_cpu_object(source: Path, *, extra_flags: tuple[str, ...] = ()) -> Path
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise BackendError("no C compiler found (set CC or install gcc) to build plugin kernels")
-    flags = CPU_FLAGS + tuple(extra_flags)
+    flags = CPU_FLAGS + _host_cpu()[1] + tuple(extra_flags)
     digest = _digest(source, flags)
     obj = cache_dir() / f"{source.stem}-{digest}.o"
     if obj.is_file():

@@ -55,7 +55,7 @@ def test_apply_for_cuda_compiles_with_the_kernel_in_the_folder(tmp_path, mode):
     (obj,) = m.kernel_objects
     assert obj.startswith("kernels/router_topk-") and (tmp_path / "out" / obj).is_file()
     mlir = (tmp_path / "out" / "model.mlir").read_text()
-    assert "flow.dispatch @rewrite_cuda_router::@router_topk_f32" in mlir and str(tmp_path) not in mlir
+    assert "flow.dispatch @rewrite_cuda_router_f32::@router_topk_f32" in mlir and str(tmp_path) not in mlir
     assert (tmp_path / "out" / "model.vmfb").stat().st_size > 0
 
 

@@ -44,7 +44,7 @@ from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.int4 import ORT_MAX_BLOCK, pack_int4, unpack_int4
 from rewrite.core.ir import Graph, Node
-from rewrite.core.kernels import build_cpu_object, kernel_source
+from rewrite.core.kernels import build_cpu_object, cpu_executable_target, kernel_source
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
@@ -346,7 +346,7 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], route
                      f"      func.func @{export}({', '.join(args)}) {{\n" + "\n".join(body) + "\n      }")
     return (f"  stream.executable private @{name} attributes {{\n"
             f"    hal.executable.objects = #hal.executable.objects<{{\n"
-            f"      #hal.executable.target<\"llvm-cpu\", \"embedded-elf-x86_64\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]\n"
+            f"      {cpu_executable_target()} = [#hal.executable.object<{{path = \"{obj}\"}}>]\n"
             f"    }}>\n  }} {{\n" + "\n".join(exports) + "\n    builtin.module {\n" + "\n".join(funcs) + "\n    }\n  }")
 
 

@@ -13,7 +13,7 @@ from onnx import TensorProto, numpy_helper
 from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.ir import Graph, Node
-from rewrite.core.kernels import build_cpu_object, kernel_source
+from rewrite.core.kernels import build_cpu_object, cpu_executable_target, kernel_source
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
@@ -207,7 +207,7 @@ class MoERouterTopK(AbstractOp):
             BackendError: dtype other than f16/f32, dynamic or too large E, k outside 1..E, unknown mode.
         """
         xt, wt, it = op.operand_types[0], op.result_types[0], op.result_types[1]
-        where = f"MoERouterTopK {op.result}"
+        where = f"MoERouterTopK {op.where}"
         rank, e = len(xt.dims), xt.dims[-1] if xt.dims else None
         k, normalize, mode = int(op.attrs.get("k", 0)), int(op.attrs.get("normalize", 0)), op.attrs.get("mode", "softmax_topk")
         if xt.element not in ("f16", "f32") or wt.element not in ("f16", "f32") or it.element != "si64":
@@ -372,7 +372,7 @@ def _executable(entry: str, xe: str, we: str, obj, *, bias: int | None = None,
     return f"""
   stream.executable private @{entry}_exec attributes {{
     hal.executable.objects = #hal.executable.objects<{{
-      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{obj}"}}>]
+      {cpu_executable_target()} = [#hal.executable.object<{{path = "{obj}"}}>]
     }}>
   }} {{
     stream.executable.export public @{entry} workgroups(%n: index) -> (index, index, index) {{

@@ -4,7 +4,8 @@ The built-in op has lowerings for ``ort:cpu``, ``ort:cuda`` and ``iree:llvm-cpu`
 adds ``iree:cuda`` through the ``rewrite_lowerings`` hook without touching rewrite: one thread per token runs
 ``kernels/router_topk.cu`` (PTX for sm_80, which the H100/H200 driver JITs), launched as an IREE extern
 dispatch (``hal.executable.source`` with the PTX object, ``flow.dispatch`` from the op's wrapper). It takes the
-modes ``softmax_topk``, ``topk_softmax`` and ``topk`` on float32 logits and weights; other variants are refused
+modes ``softmax_topk``, ``topk_softmax`` and ``topk`` on float32 or float16 logits and float32 weights; other
+variants are refused
 with the reason, so ``rewrite apply`` stops instead of compiling something else.
 """
 
@@ -25,22 +26,25 @@ THREADS = 64  #: workgroup (CUDA block) size; one thread per token
 
 
 def lower_router_cuda(op: TorchOperator, ctx: PatchContext) -> IreeLowering:
-    """The wrapper body: logits ``[..., E]`` f32 collapsed to ``[T, E]``, one dispatch of ``router_topk_f32`` on
-    ``ceil(T / 64)`` workgroups, weights ``[T, k]`` f32 and ids ``[T, k]`` i64 expanded back.
+    """The wrapper body: logits ``[..., E]`` (f32 or f16) collapsed to ``[T, E]``, one dispatch of
+    ``router_topk_<f32|f16>`` on ``ceil(T / 64)`` workgroups, weights ``[T, k]`` f32 and ids ``[T, k]`` i64
+    expanded back.
 
     Raises:
-        BackendError: non-f32 logits or weights, a dynamic or too large E, k outside 1..E, grouped mode.
+        BackendError: logits other than f32/f16 or weights other than f32, a dynamic or too large E, k outside
+            1..E, grouped mode.
     """
     xt, wt, it = op.operand_types[0], op.result_types[0], op.result_types[1]
     k, normalize, mode = int(op.attrs.get("k", 0)), int(op.attrs.get("normalize", 0)), op.attrs.get("mode", "softmax_topk")
     e = xt.dims[-1] if xt.dims else None
-    if xt.element != "f32" or wt.element != "f32":
-        raise BackendError(f"MoERouterTopK {op.result} on cuda: logits {xt.text}, weights {wt.text}; this kernel takes f32 only")
+    if xt.element not in ("f32", "f16") or wt.element != "f32":
+        raise BackendError(f"MoERouterTopK {op.where} on cuda: logits {xt.text}, weights {wt.text}; this kernel takes "
+                           "f32 or f16 logits and f32 weights")
     if len(xt.dims) < 2 or not isinstance(e, int) or not 1 <= e <= MAX_EXPERTS or not 1 <= k <= e:
-        raise BackendError(f"MoERouterTopK {op.result} on cuda: logits {xt.text}, k={k}; needs a static E of 1..{MAX_EXPERTS} and 1 <= k <= E")
+        raise BackendError(f"MoERouterTopK {op.where} on cuda: logits {xt.text}, k={k}; needs a static E of 1..{MAX_EXPERTS} and 1 <= k <= E")
     if mode not in MODES:
-        raise BackendError(f"MoERouterTopK {op.result} on cuda: mode '{mode}'; this kernel takes {', '.join(MODES)}")
-    ptx = ctx.object_path(build_cuda_ptx(KERNEL))
+        raise BackendError(f"MoERouterTopK {op.where} on cuda: mode '{mode}'; this kernel takes {', '.join(MODES)}")
+    ptx = ctx.object_path(build_cuda_ptx(KERNEL, ctx.cuda_arch))
     rank = len(xt.dims)
     lines = ["    %cr_t0 = arith.constant 1 : index"]
     dims = []  # the leading dims as index values, multiplied into the token count t
@@ -53,25 +57,26 @@ def lower_router_cuda(op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         lines.append(f"    %cr_t{ax + 1} = arith.muli %cr_t{ax}, {dims[-1]} : index")
     t = f"%cr_t{rank - 1}"
     group = "[[" + ", ".join(str(a) for a in range(rank - 1)) + f"], [{rank - 1}]]"
-    flat = f"tensor<{'?' if None in xt.dims[:-1] else _prod(xt.dims[:-1])}x{e}xf32>"
+    el = xt.builtin_element
+    flat = f"tensor<{'?' if None in xt.dims[:-1] else _prod(xt.dims[:-1])}x{e}x{el}>"
     lines += [
         f"    %cr_flat0 = tensor.collapse_shape %in0 {group} : {xt.builtin} into {flat}",
-        f"    %cr_flat = tensor.cast %cr_flat0 : {flat} to tensor<?x{e}xf32>",
+        f"    %cr_flat = tensor.cast %cr_flat0 : {flat} to tensor<?x{e}x{el}>",
         f"    %cr_t32 = arith.index_cast {t} : index to i32",
         f"    %cr_e = arith.constant {e} : i32",
         f"    %cr_k = arith.constant {k} : i32",
         f"    %cr_mode = arith.constant {MODES.index(mode)} : i32",
         f"    %cr_norm = arith.constant {normalize} : i32",
-        f"    %cr_w, %cr_i = flow.dispatch @rewrite_cuda_router::@router_topk_f32[{t}](%cr_flat, %cr_t32, %cr_e, %cr_k, %cr_mode, %cr_norm)"
-        f" : (tensor<?x{e}xf32>{{{t}}}, i32, i32, i32, i32, i32) -> (tensor<?x{k}xf32>{{{t}}}, tensor<?x{k}xi64>{{{t}}})",
+        f"    %cr_w, %cr_i = flow.dispatch @rewrite_cuda_router_{el}::@router_topk_{el}[{t}](%cr_flat, %cr_t32, %cr_e, %cr_k, %cr_mode, %cr_norm)"
+        f" : (tensor<?x{e}x{el}>{{{t}}}, i32, i32, i32, i32, i32) -> (tensor<?x{k}xf32>{{{t}}}, tensor<?x{k}xi64>{{{t}}})",
     ]
     shape = ", ".join(dims + [str(k)])
     for name, src, res in (("%out0", "%cr_w", wt), ("%out1", "%cr_i", it)):
-        el = res.builtin_element
-        dyn = "tensor<" + "?x" * (rank - 1) + f"{k}x{el}>"
-        lines.append(f"    {name}_x = tensor.expand_shape {src} {group} output_shape [{shape}] : tensor<?x{k}x{el}> into {dyn}")
+        rel = res.builtin_element
+        dyn = "tensor<" + "?x" * (rank - 1) + f"{k}x{rel}>"
+        lines.append(f"    {name}_x = tensor.expand_shape {src} {group} output_shape [{shape}] : tensor<?x{k}x{rel}> into {dyn}")
         lines.append(f"    {name} = tensor.cast {name}_x : {dyn} to {res.builtin}")
-    return IreeLowering(body="\n".join(lines), module_items={"rewrite_cuda_router": _executable(ptx)})
+    return IreeLowering(body="\n".join(lines), module_items={f"rewrite_cuda_router_{el}": _executable(ptx, el)})
 
 
 def _prod(dims) -> int:
@@ -81,13 +86,13 @@ def _prod(dims) -> int:
     return out
 
 
-def _executable(ptx: str) -> str:
-    """The ``hal.executable.source`` declaring the PTX kernel: 3 bindings (logits read only, weights, ids), 5
-    i32 push constants (t, e, k, mode, normalize), ``ceil(t / THREADS)`` workgroups of ``THREADS``."""
+def _executable(ptx: str, el: str) -> str:
+    """The ``hal.executable.source`` declaring the PTX kernel ``router_topk_<el>``: 3 bindings (logits read only,
+    weights, ids), 5 i32 push constants (t, e, k, mode, normalize), ``ceil(t / THREADS)`` workgroups of ``THREADS``."""
     return f"""
-  hal.executable.source private @rewrite_cuda_router <objects = <{{
+  hal.executable.source private @rewrite_cuda_router_{el} <objects = <{{
       #hal.executable.target<"cuda", "cuda-nvptx-fb"> = [#hal.executable.object<{{path = "{ptx}"}}>]}}>> {{
-    hal.executable.export public @router_topk_f32 ordinal(0)
+    hal.executable.export public @router_topk_{el} ordinal(0)
         layout(#hal.pipeline.layout<constants = 5, bindings = [
           #hal.pipeline.binding<storage_buffer, ReadOnly>,
           #hal.pipeline.binding<storage_buffer>,
