@@ -80,7 +80,7 @@ class Generator:
 
         graph = onnx_io.load(model_path)
         resolve_exporter_dims(graph)
-        specs = input_specs(onnx_io.to_model(graph).graph)
+        specs = input_specs(onnx_io.to_model(graph))
         iface = decoder_interface(graph)
         self = cls.__new__(cls)
         self.folder, self.manifest = None, None

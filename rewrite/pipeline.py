@@ -20,6 +20,7 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport, RewriteContext, run_plugin  # noqa: F401 (RewriteContext: re-exported)
 from rewrite.core.interface import DecoderInterface, decoder_interface
 from rewrite.core.ir import Graph
+from rewrite.core.lowering import LoweringRegistry
 from rewrite.core.shapes import infer_shapes
 from rewrite.errors import BackendError, RewriteError, UnsupportedModelError
 from rewrite.plugins.base import Plugin
@@ -171,8 +172,9 @@ def apply(
     check_options(options or {}, selected)
     ctx = RewriteContext(backend=backend, target=target, dims=dict(dims or {}), options=dict(options or {}))
     reports = rewrite_graph(graph, selected, ctx)
-    lowerings = lowering_registry()
-    lowerings.check(abstract_ops_in(graph), backend, target)  # before anything is written
+    used = abstract_ops_in(graph)
+    lowerings = lowering_registry() if used else LoweringRegistry()  # (a graph without abstract ops needs none)
+    lowerings.check(used, backend, target)  # before anything is written
     infer_shapes(graph)  # types for the values the plugins created, which the IREE importer needs
     out_dir = Path(out_dir)
     check_output_folder(out_dir, Path(model_path))

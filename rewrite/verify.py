@@ -188,7 +188,7 @@ def locate(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.nd
         get_backend(manifest.backend).lower(low_probe, pfolder, pm, options={},
                                             lowerings=lowering_registry().for_target(manifest.backend, manifest.target))
         pm.write(pfolder)
-        got = load_runner(pfolder).run({k: feeds[k] for k in [d["name"] for d in pm.inputs]})
+        got = load_runner(pfolder).run({k: feeds[k] for k in [d["name"] for d in pm.inputs] if k in feeds})  # defaults: left out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     probed = set(probe_names)

@@ -194,3 +194,14 @@ def test_the_module_iree_compile_gets_carries_node_locations(tmp_path, rowmax_op
         apply(rowmax_model(tmp_path / "m.onnx"), tmp_path / "out", backend="iree")
     assert "iree-compile (llvm-cpu)" in str(e.value) and 'kernels/missing.o' in str(e.value)
     assert (tmp_path / "out.failed" / "model.mlir").is_file()
+
+
+def test_a_lowering_returning_something_else_is_an_error_naming_the_node(tmp_path, rowmax_op):
+    class _Nothing(RowMax):
+        def lower_iree(self, op, ctx):
+            return None
+
+    with registered_lowerings(_Nothing(rowmax_op.obj).lowerings()), pytest.raises(BackendError) as e:
+        apply(rowmax_model(tmp_path / "m.onnx"), tmp_path / "out", backend="iree")
+    assert str(e.value) == ("IREE lowering of TestRowMax at node 'rowmax' failed: TypeError: returned NoneType, "
+                            "not an IreeLowering")

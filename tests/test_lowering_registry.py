@@ -92,3 +92,23 @@ def test_two_runs_write_the_same_bytes(tmp_path, backend, qwen2_moe_tiny):
         assert any(f.startswith("kernels/") for f in files)
     differ = [f for f in files if (outs[0] / f).read_bytes() != (outs[1] / f).read_bytes()]
     assert differ == []
+
+
+def test_a_package_whose_hook_returns_something_else_is_named(router_onnx, tmp_path):
+    from rewrite.pipeline import apply
+
+    with registered_lowerings(["not a lowering"]), pytest.raises(LoweringError, match=r"rewrite_lowerings\(\) of .* returned a list holding a str; expected a list of rewrite.core.lowering.Lowering"):
+        apply(router_onnx, tmp_path / "out", plugins="topk", backend="ort")
+    with registered_lowerings(["not a lowering"]):  # a graph without abstract ops needs no lowering at all
+        apply(router_onnx, tmp_path / "plain", backend="ort")
+
+
+def test_declaring_a_target_without_its_method_is_refused():
+    from rewrite.core.abstract_ops import AbstractOp
+
+    class Half(AbstractOp):
+        op_type = "Half"
+        iree_targets = ("cuda",)
+
+    with pytest.raises(LoweringError, match="Half declares iree targets cuda but has no lower_iree"):
+        Half().lowerings()

@@ -125,7 +125,7 @@ class IreeBackend:
             graph.name = "main_graph"
         onnx_io.save(graph, onnx_path)
         model = onnx_io.to_model(graph)
-        manifest.inputs = [s.to_json() for s in input_specs(model.graph)]  # the entry function's arguments
+        manifest.inputs = [s.to_json() for s in input_specs(model)]  # the entry function's arguments
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
         import_path = _import_model(onnx_path, graph)
         try:

@@ -1,6 +1,7 @@
 """IREE's ONNX import, printed with locations: ``python -m rewrite.backends.iree_import`` takes the arguments of
-``python -m iree.compiler.tools.import_onnx`` and runs the same steps (shape inference, import, parameter
-externalization to an ``.irpa``, verification), but writes the module with its debug info. The importer names
+``python -m iree.compiler.tools.import_onnx`` that :func:`rewrite.backends.iree_toolchain.import_onnx` passes
+(an output file; with ``--externalize-params``, ``--save-params-to``) and runs the same steps (shape inference,
+import, parameter externalization to an ``.irpa``, verification), but writes the module with its debug info. The importer names
 every op's location after its ONNX node, so the patched module keeps them and iree-compile's errors say which
 node an op came from instead of a line of the MLIR file.
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
             num_elements_threshold=args.num_elements_threshold,
             params_scope=args.params_scope,
             data_dir=str(args.data_dir) if args.data_dir is not None else str(args.input_file.parent),
-            param_path=str(args.save_params_to),
+            param_path=str(args.save_params_to) if args.save_params_to else None,
             input_index_threshold=args.externalize_inputs_threshold,
         )
         imp = tool.IREENodeImporter.define_function(model_info.main_graph, m, param_data)

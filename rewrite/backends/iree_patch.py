@@ -58,7 +58,11 @@ def _operator(op: ir.Operation, op_type: str) -> TorchOperator:
 
 
 def abstract_ops(mod: MlirModule, op_types: set[str] | None = None) -> list[tuple[ir.Operation, TorchOperator]]:
-    """Every imported ``torch.operator "onnx.<op_type>"`` (of ``op_types`` when given), with its reading."""
+    """Every imported ``torch.operator "onnx.<op_type>"`` (of ``op_types`` when given), with its reading.
+
+    Raises:
+        BackendError: an operand or result that is not a typed tensor (the message names the op and its node).
+    """
     out = []
     for op in mod.walk("torch.operator"):
         name = ir.StringAttr(op.attributes["name"]).value
@@ -66,7 +70,10 @@ def abstract_ops(mod: MlirModule, op_types: set[str] | None = None) -> list[tupl
             continue
         op_type = name[len("onnx."):]
         if op_types is None or op_type in op_types:
-            out.append((op, _operator(op, op_type)))
+            try:
+                out.append((op, _operator(op, op_type)))
+            except BackendError as e:
+                raise BackendError(f"{op_type} at node '{node_of(op)}': {e}") from None
     return out
 
 
@@ -120,15 +127,18 @@ def patch_module(mod: MlirModule, lowerers: dict[str, Callable[[TorchOperator, P
     opset = _opset(mod, ctx.opset_version)
     for k, (op, top) in enumerate(found):
         what = f"IREE lowering of {top.op_type} {top.where}"
+        name = f"rewrite_{top.op_type}_{k}"
         try:
             low = lowerers[top.op_type](top, ctx)
-        except BackendError:
-            raise
+            if not isinstance(low, IreeLowering):
+                raise TypeError(f"returned {type(low).__name__}, not an IreeLowering")
+            # the wrapper with the items it references: a piece that verifies alone, so its errors are this op's
+            piece = "\n".join([*low.module_items.values(), _wrapper(name, top, low, opset)])
+        except BackendError as e:
+            raise BackendError(str(e) if top.where in str(e) else f"{what}: {e}") from None
         except Exception as e:  # a lowering bug must still name the node, not end in a traceback
             raise BackendError(f"{what} failed: {type(e).__name__}: {e}") from e
-        name = f"rewrite_{top.op_type}_{k}"
-        # the wrapper with the items it references: a piece that verifies alone, so its errors are this op's
-        mod.add("\n".join([*low.module_items.values(), _wrapper(name, top, low, opset)]), what)
+        mod.add(piece, what)
         mod.replace_with_call(op, name)
     return len(found)
 

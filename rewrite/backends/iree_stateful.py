@@ -222,7 +222,8 @@ def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> Sta
                                f"type is needed: add --max-seq N (the kv plugin's static cache)")
         raise BackendError(f"--stateful: no static KV cache (past input written into a present output) in the model (inputs: {', '.join(ins)})")
     dtype = next(d["dtype"] for d in manifest.inputs if d["name"] == pairs[0][0])
-    axes = {n.attr("axis") for n in graph.nodes.values() if n.op_type == "KVCacheUpdate"}
+    axes = {n.attr("axis") % len(graph.values[n.inputs[0]].shape) for n in graph.nodes.values()
+            if n.op_type == "KVCacheUpdate" and graph.values[n.inputs[0]].shape is not None}  # as the op reads it
     axis = axes.pop() if len(axes) == 1 else None
     with mod.context:
         spec = make_stateful(mod, function, ins, outs, pairs, dtype, axis)

@@ -26,9 +26,11 @@ def _diagnostic(e: ir.MLIRError) -> str:
 
 
 def node_of(op: ir.Operation) -> str:
-    """The ONNX node an imported op came from (the importer names each op's location after its node), or ""."""
+    """The ONNX node an imported op came from (the importer names each op's location after its node), or "".
+    A name location nested in another name location (``loc("a"("b"))``) gives the outer name; other location
+    kinds give ""."""
     loc = op.location
-    for _ in range(4):  # a fused or call-site location wraps the name
+    for _ in range(4):
         try:
             return loc.name_str
         except (ValueError, AttributeError, TypeError):
@@ -86,8 +88,8 @@ class MlirModule:
         """Parse ``text`` (top-level ops: functions, executables, globals; the piece must verify on its own, so
         it holds what its functions reference) in this module's context and append its ops to the module. An
         op defining a symbol the module has is left out when it is the same op (an executable that two
-        lowerings share), and refused otherwise. ``first``: put the ops at the module's start instead (a global
-        must precede its uses for iree-compile's stream conversion).
+        lowerings share), and refused otherwise. ``first``: put the ops at the module's start instead;
+        ``util.global`` ops always go there (a global must precede its uses for iree-compile's stream conversion).
 
         Raises:
             BackendError: ``text`` does not parse or verify, or redefines a symbol differently (``what`` names
@@ -107,10 +109,11 @@ class MlirModule:
                 if op.get_asm(assume_verified=True) != existing[sym].get_asm(assume_verified=True):  # locations aside
                     raise BackendError(f"{what}: defines @{sym} differently from the module's @{sym}")
                 continue
-            if first and placed is not None:  # (move_* take the op from the piece's block themselves)
+            at_start = first or op.name == "util.global"  # a global precedes its uses (stream conversion)
+            if at_start and placed is not None:  # (move_* take the op from the piece's block themselves)
                 op.move_after(placed)
                 placed = op
-            elif first and len(self.body.operations):
+            elif at_start and len(self.body.operations):
                 op.move_before(self.body.operations[0].operation)
                 placed = op
             else:

@@ -73,9 +73,13 @@ def ort_session(model_path: str | Path, *, threads: int = 0, optimize: str = "al
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, str(value))
     try:
-        return ort.InferenceSession(str(model_path), so, providers=providers)
+        session = ort.InferenceSession(str(model_path), so, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise BackendError(f"{model_path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}") from e
+    if session.get_providers()[0] != providers[0]:  # ORT falls back to CPU with only a warning
+        raise BackendError(f"{model_path}: ONNX Runtime could not start {providers[0]} (it runs on "
+                           f"{', '.join(session.get_providers())}); check the GPU, the CUDA libraries (import torch first)")
+    return session
 
 
 class OrtRunner:
@@ -87,7 +91,7 @@ class OrtRunner:
         self.path = model_path
         self.session = ort_session(model_path, threads=threads, optimize=optimize, config=config, providers=providers)
         self.decoder = decoder
-        self.input_specs = input_specs(onnx_io.read_model(model_path).graph)
+        self.input_specs = input_specs(onnx_io.read_model(model_path))
         self.input_names = [s.name for s in self.input_specs]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
@@ -136,7 +140,7 @@ class OrtBackend:
         path = folder / manifest.model
         onnx_io.save(graph, path)
         model = onnx_io.to_model(graph)
-        manifest.inputs = [s.to_json() for s in input_specs(model.graph)]
+        manifest.inputs = [s.to_json() for s in input_specs(model)]
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
         manifest.session = folder_session(manifest.target)
         # fail at apply time, not at run time, if ORT cannot load the result (on CPU: this machine may have no GPU)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from rewrite.core.lowering import Lowering
+from rewrite.core.lowering import Lowering, LoweringError
 
 if TYPE_CHECKING:
     from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
@@ -46,6 +46,8 @@ class AbstractOp:
         for backend, method, declared, default in (("ort", "lower_ort", self.ort_targets, ("cpu",)),
                                                      ("iree", "lower_iree", self.iree_targets, ("llvm-cpu",))):
             overridden = getattr(type(self), method) is not getattr(AbstractOp, method)
+            if declared and not overridden:
+                raise LoweringError(f"{self.op_type} declares {backend} targets {', '.join(declared)} but has no {method}")
             targets = declared if declared is not None else (default if overridden else ())
             if targets:
                 out.append(Lowering(self.op_type, backend, tuple(targets), getattr(self, method), origin=type(self).__module__))

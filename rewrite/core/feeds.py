@@ -68,10 +68,14 @@ def specs_of(vis, defaults=()) -> list[TensorSpec]:
     return out
 
 
-def input_specs(graph_proto: onnx.GraphProto) -> list[TensorSpec]:
-    """The inputs of ``graph_proto`` in order, those with an initializer marked ``default`` (every input in
-    IR 3, where all initializers are listed as inputs)."""
-    return specs_of(graph_proto.input, defaults={t.name for t in graph_proto.initializer})
+def input_specs(model: onnx.ModelProto) -> list[TensorSpec]:
+    """The inputs a caller of ``model`` passes, in order: from IR 4 on, those with an initializer are marked
+    ``default`` (ONNX IR spec, "Graphs": the initializer is the input's default); before IR 4 every initializer
+    is listed among the inputs as a weight, not an input, and is left out (ONNX Runtime refuses it as a feed)."""
+    inits = {t.name for t in model.graph.initializer}
+    if model.ir_version < 4:
+        return [s for s in specs_of(model.graph.input) if s.name not in inits]
+    return specs_of(model.graph.input, defaults=inits)
 
 
 def _is_kv(name: str) -> bool:

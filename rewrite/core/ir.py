@@ -61,9 +61,10 @@ class Value:
         base_dir: directory against which external data locations resolve.
         info: the original ValueInfoProto, kept so an unchanged value is written back byte for byte.
         non_tensor_type: the original TypeProto when the value is not a plain tensor (sequence, optional, map).
-        overridable: an initializer also listed in ``graph.input``: a default the caller may replace at run time
-            (ONNX IR spec, "Graphs": initializers named among the inputs are their default values). Its data is
-            not a constant (:meth:`Graph.const` returns None) until :meth:`Graph.freeze_inputs`.
+        overridable: an initializer also listed in ``graph.input`` of a model of IR 4 or later: a default the
+            caller may replace at run time (ONNX IR spec, "Graphs"; before IR 4 every initializer is listed among
+            the inputs and is a weight). Its data is not a constant (:meth:`Graph.const` returns None) until
+            :meth:`Graph.freeze_inputs`.
     """
 
     name: str
@@ -334,8 +335,6 @@ class Graph:
             self.values[name].overridable = False
             self.values[name].info = None  # its declaration was the input's
         self.inputs = [n for n in self.inputs if n not in set(frozen)]
-        if frozen and self.model_shell.ir_version < 4:
-            self.model_shell.ir_version = 4  # IR 3 wants every initializer among the inputs; IR 4 allows this
         return frozen
 
     def ensure_opset(self, domain: str, version: int = 1) -> None:

@@ -137,9 +137,9 @@ def _from_model(model: onnx.ModelProto, base_dir: str) -> Graph:
         g.producer.setdefault(name, (SOURCE, 0))
     for vi in gp.input:
         dt, shape, other = _type_of(vi)
-        if vi.name in g.values:  # an input with an initializer as its default (every initializer in IR < 4)
+        if vi.name in g.values:  # an initializer listed as an input: its default from IR 4 on, a weight before
             v = g.values[vi.name]
-            v.info, v.overridable = vi, v.is_initializer
+            v.info, v.overridable = vi, v.is_initializer and model.ir_version >= 4
         else:
             g.values[vi.name] = Value(name=vi.name, dtype=dt, shape=shape, info=vi, non_tensor_type=other)
             g.producer[vi.name] = (SOURCE, 0)

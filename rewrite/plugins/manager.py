@@ -7,7 +7,7 @@ import functools
 import pluggy
 
 from rewrite import hookspecs
-from rewrite.core.lowering import LoweringRegistry
+from rewrite.core.lowering import Lowering, LoweringError, LoweringRegistry
 from rewrite.errors import PluginOrderError, UnknownPluginError
 from rewrite.plugins.base import Plugin
 
@@ -53,7 +53,13 @@ def lowering_registry() -> LoweringRegistry:
         for op in p.abstract_ops:
             for low in op.lowerings():
                 reg.add(low)
-    for batch in reversed(get_plugin_manager().hook.rewrite_lowerings()):
+    for impl in get_plugin_manager().hook.rewrite_lowerings.get_hookimpls():  # each package's, to name it
+        batch = impl.function()
+        if not isinstance(batch, (list, tuple)) or not all(isinstance(low, Lowering) for low in batch):
+            got = (f"a list holding a {type(next(x for x in batch if not isinstance(x, Lowering))).__name__}"
+                   if isinstance(batch, (list, tuple)) else f"a {type(batch).__name__}")
+            raise LoweringError(f"rewrite_lowerings() of {impl.plugin_name} returned {got}; "
+                                "expected a list of rewrite.core.lowering.Lowering")
         for low in batch:
             reg.add(low)
     return reg

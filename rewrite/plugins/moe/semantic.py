@@ -327,7 +327,7 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     consts = [c for c in (graph.const(i) for i in names) if c is not None and c.shape[:1] == (E,) and c.dtype.kind == "f"]
     weights = [w for w in consts if w.ndim == 3]
     biases = [b for b in consts if b.ndim == 2]
-    if len(biases) == 1 and sum(i in graph.initializers and graph.const(i).ndim == 2 and graph.const(i).shape[0] == E
+    if len(biases) == 1 and sum(graph.const(i) is not None and graph.const(i).ndim == 2 and graph.const(i).shape[0] == E
                                 for n in region for i in n.inputs) >= 2:
         biases *= 2  # one initializer read as both biases (an exporter merges equal constants: zero biases)
     if len(weights) != 2:
