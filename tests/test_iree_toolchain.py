@@ -232,3 +232,17 @@ def test_cuda_target_compiles_without_a_gpu(tmp_path):
     result = import_onnx(path, tmp_path / "cuda_mm.mlir", params_path=tmp_path / "cuda_mm.irpa")
     compile_mlir(result.mlir_path, tmp_path / "cuda_mm.vmfb", target="cuda")
     assert (tmp_path / "cuda_mm.vmfb").stat().st_size > 0
+
+
+def test_a_compile_error_at_an_onnx_node_names_the_node():
+    """The module reaches iree-compile with the importer's locations (one per ONNX node); the one-line summary
+    names the node (seen on the Qwen3-Next export: its value_info claims a static chunk count)."""
+    from rewrite.backends.iree_toolchain import _failure_summary
+
+    log = ("<unknown>:0: error: loc(\"node_matmul\"): 'tensor.expand_shape' op expected dimension 0 of collapsed type "
+           "to be static value of 4\n<unknown>:0: note: loc(\"node_matmul\"): see current operation: ...\n")
+    assert _failure_summary(1, log) == ("at node 'node_matmul': 'tensor.expand_shape' op expected dimension 0 of "
+                                        "collapsed type to be static value of 4")
+    missing = ("ERROR: referenced object file not found on any path: #hal.executable.object<{path = \"kernels/x.o\"}>\n"
+               "<unknown>:0: error: failed to serialize executable for target backend llvm-cpu\n")
+    assert _failure_summary(1, missing).startswith("ERROR: referenced object file not found") and "kernels/x.o" in _failure_summary(1, missing)

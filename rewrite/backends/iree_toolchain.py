@@ -238,8 +238,8 @@ def _iree_compile_binary() -> str:
 
 
 def _failure_summary(returncode: int, log: str) -> str:
-    """The key line of a failed tool's output: its first MLIR ``error:`` diagnostic (after a target backend's
-    ``ERROR:`` line when the diagnostic has no location), else the last
+    """The key line of a failed tool's output: its first MLIR ``error:`` diagnostic (``at node 'n': ...`` when it
+    is located at an ONNX node; after a target backend's ``ERROR:`` line when it has no location), else the last
     Python exception line (with an ONNX checker ``==> Context:`` line appended), else the last
     non-empty line; or the signal that killed it. At most ``_MAX_MESSAGE_CHARS`` characters."""
     if returncode < 0:
@@ -250,7 +250,10 @@ def _failure_summary(returncode: int, log: str) -> str:
     lines = [line.rstrip() for line in log.splitlines() if line.strip()]
     key = next((line.strip() for line in lines if re.search(r"(^|\s)error:", line)), None)
     target = next((line.strip() for line in lines if line.startswith("ERROR: ")), None)
-    if key is not None and key.startswith("<unknown>") and target:  # a target backend's own message says more
+    named = _NODE_DIAGNOSTIC_RE.match(key) if key else None
+    if named:  # an op located at its ONNX node (the importer names locations after nodes; "" when unnamed)
+        key = f"at node '{named.group(1)}': {named.group(2)}" if named.group(1) else f"error: {named.group(2)}"
+    elif key is not None and key.startswith("<unknown>") and target:  # a target backend's own message says more
         key = f"{target}; {key}"
     if key is None:
         exc = [i for i, line in enumerate(lines) if _EXCEPTION_LINE_RE.match(line)]
@@ -265,6 +268,9 @@ def _failure_summary(returncode: int, log: str) -> str:
             key = f"exit status {returncode}, no output"
     return key if len(key) <= _MAX_MESSAGE_CHARS else key[: _MAX_MESSAGE_CHARS - 3] + "..."
 
+
+#: an MLIR diagnostic at a name location: ``<unknown>:0: error: loc("node"): message``
+_NODE_DIAGNOSTIC_RE = re.compile(r'^<unknown>:0: error: loc\("((?:[^"\\]|\\.)*)"\): (.*)$')
 
 # `pkg.mod.SomeError: message`, unindented, closing a Python traceback; group 1 drops the module path.
 _EXCEPTION_LINE_RE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit)(?::\s.*)?)$")
