@@ -95,3 +95,22 @@ def test_stateful_needs_a_static_cache(qwen2_moe_tiny, tmp_path):
     with pytest.raises(BackendError, match="a static, unchanged type is needed"):
         apply(qwen2_moe_tiny, tmp_path / "x", plugins="topk", backend="iree", options={"stateful": True})
     assert not (tmp_path / "x").exists()
+
+
+def test_a_negative_cache_axis_is_the_same_axis(lowered, tmp_path):
+    """A KVCacheUpdate written with ``axis=-2`` (the op normalizes it against the cache's rank, as the
+    ScatterElements it replaces does) moves into module state on the same sequence axis: the same tokens."""
+    import onnx
+
+    folder, ort_folder = lowered["qwen2_moe"]
+    model = onnx.load(folder / "model.onnx")  # the rewritten graph, KVCacheUpdate still abstract
+    updates = [n for n in model.graph.node if n.op_type == "KVCacheUpdate"]
+    assert updates
+    for n in updates:
+        (axis,) = [a for a in n.attribute if a.name == "axis"]
+        assert axis.i == 2
+        axis.i = -2
+    onnx.save(model, tmp_path / "negative.onnx")
+    m = apply(tmp_path / "negative.onnx", tmp_path / "iree", backend="iree", options={"stateful": True})
+    assert m.state[0]["axis"] == 2
+    assert Generator(tmp_path / "iree").generate(PROMPT, 8).tokens == Generator(ort_folder).generate(PROMPT, 8).tokens
