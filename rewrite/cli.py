@@ -190,12 +190,14 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
 @click.option("--all", "show_all", is_flag=True, help="Also list the rules that fired.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the explanations as JSON.")
 @click.option("--freeze-inputs", is_flag=True, help="As for 'apply': inputs with initializer defaults become constants.")
-def explain_cmd(model, plugin_names, node, dims, show_all, json_path, freeze_inputs) -> None:
+@click.option("--backend", type=click.Choice(["ort", "iree"]), default=None,
+              help="Run the plugins as 'apply --backend' does (default: each for a backend it rewrites for).")
+def explain_cmd(model, plugin_names, node, dims, show_all, json_path, freeze_inputs, backend) -> None:
     """Why each rule of --plugins did (not) fire on MODEL: best partial match and the reason it stopped."""
     from rewrite.explain import explain
 
     _check_writable("--json", json_path)
-    exps = explain(model, plugin_names, node=node, dims=_parse_dims(dims), freeze_inputs=freeze_inputs)
+    exps = explain(model, plugin_names, node=node, dims=_parse_dims(dims), freeze_inputs=freeze_inputs, backend=backend)
     for e in exps:
         if show_all or e.status != "fired":
             click.echo("\n".join(e.lines()))

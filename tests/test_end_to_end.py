@@ -70,10 +70,12 @@ def test_seed_form_on_ort_decodes_like_the_original(tmp_path, dtype, tol):
     path = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
     m = apply(path, tmp_path / "ort", plugins="cast,legalize", backend="ort")
     report = {r["plugin"]: {x["rule"]: x["matches"] for x in r["rules"]} for r in m.report}
-    assert report["legalize"] == {"exact-4bit-cast": 12, "dequantize-block": 6}  # 2 layers x 3 DequantizeLinear
+    assert report["legalize"] == {}  # IREE's importer needs it, ONNX Runtime reads the INT4 form itself
+    (note,) = next(r["notes"] for r in m.report if r["plugin"] == "legalize")
+    assert note.startswith("not run: it rewrites for iree only")
     assert report["cast"] == {"cast-roundtrip": 2 if dtype == "fp16" else 0}  # the Softmax round trip per layer
     lowered = onnx.load(tmp_path / "ort" / "model.onnx")
-    assert not [n for n in lowered.graph.node if n.op_type == "DequantizeLinear"]
+    assert len([n for n in lowered.graph.node if n.op_type == "DequantizeLinear"]) == 6  # 2 layers x 3
     ref = seed_decode(weights, OrtRunner(path).run)
     got = seed_decode(weights, load_runner(tmp_path / "ort").run)
     assert got[0] == ref[0]

@@ -129,7 +129,7 @@ def test_legalize_refuses_to_retype_a_4bit_input_and_leaves_the_graph(tmp_path):
                 [codes, numpy_helper.from_array(np.array(0.5, np.float32), "s")], ir_version=10, opset=21)
     g = onnx_io.load(src)
     with pytest.raises(RewriteError, match=r"graph input 'q' is a 4-bit tensor with an initializer default.*--freeze-inputs"):
-        run_plugin(g, Legalize(), RewriteContext())
+        run_plugin(g, Legalize(), RewriteContext(backend="iree"))
     assert g.values["q"].dtype == TP.UINT4 and g.inputs == ["q"]
 
 

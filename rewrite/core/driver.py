@@ -25,6 +25,8 @@ class RunnablePlugin(Protocol):
     """What :func:`run_plugin` needs of a plugin (:class:`rewrite.plugins.base.Plugin` is one)."""
 
     short: str
+    #: backends the plugin rewrites for; for any other backend :func:`run_plugin` leaves the graph alone
+    backends: tuple[str, ...]
 
     def run(self, graph: Graph, report: "PluginReport", ctx: "RewriteContext | None" = None, *, dry_run: bool = False) -> None: ...
 
@@ -167,12 +169,19 @@ def _apply(graph: Graph, r: Rule, m: Match, plugin: str, rep: RuleReport) -> Non
 
 
 def run_plugin(graph: Graph, plugin: RunnablePlugin, ctx: RewriteContext | None = None, *, dry_run: bool = False) -> PluginReport:
-    """Run one plugin all-or-nothing.
+    """Run one plugin all-or-nothing. A plugin whose ``backends`` do not include ``ctx.backend`` is not run:
+    its report holds one note saying so (``legalize`` prepares a graph for IREE's importer; ONNX Runtime reads
+    blocked DequantizeLinear and 4-bit tensors itself, and lowers them to MatMulNBits).
 
     Raises:
         PluginError: the plugin raised; the graph is exactly as before the call.
     """
     report = PluginReport(plugin.short)
+    backends = getattr(plugin, "backends", None)
+    if ctx is not None and backends is not None and ctx.backend not in backends:
+        report.notes.append(f"not run: it rewrites for {', '.join(backends)} only, and the {ctx.backend} backend "
+                            "takes the graph as it is")
+        return report
     # The snapshot and the matcher's bindings create many small containers; with a large model loaded, each
     # automatic collection rescans every protobuf and IR object (measured: 90% of a snapshot's time at 12k
     # nodes). Nothing here builds reference cycles worth collecting mid-run.

@@ -34,7 +34,8 @@ class Plugin:
         short: the name used with ``--plugins`` (``cast``).
         description: one line for ``rewrite plugins``.
         rules: the plugin's rules, in registration order.
-        backends: backends the rewritten graph can be lowered to.
+        backends: backends the plugin rewrites for. For any other backend ``apply`` does not run it and
+            says so in its report (``legalize``: iree only).
         opset_range: (min, max) default-domain opset the rules were written for; outside it ``apply`` refuses.
         kernels: kernel objects the plugin ships.
         runs_before, runs_after: short names of plugins this one must run before / after when both are

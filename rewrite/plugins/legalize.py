@@ -225,6 +225,10 @@ class Legalize(Plugin):
     short = "legalize"
     description = "Rewrite what IREE's ONNX importer rejects: blocked DequantizeLinear, 4-bit initializers"
     opset_range = (13, 28)
+    # ONNX Runtime reads what this plugin rewrites; decomposing DequantizeLinear there would lose MatMulNBits/QMoE
+    backends = ("iree",)
+    # topk and moe fuse INT4 experts from the DequantizeLinear form into ops that keep the 4-bit weights
+    runs_after = ("topk", "moe")
 
     @property
     def rules(self):

@@ -108,7 +108,8 @@ class CaseRun:
 
     def _apply(self, graph: Graph) -> Rewritten:
         check_model(graph, [self.plugin], self.where)
-        ctx = RewriteContext(dims=dict(self.case.dims), options=dict(self.case.options))
+        backend = "ort" if "ort" in self.plugin.backends else self.plugin.backends[0]  # one it rewrites for
+        ctx = RewriteContext(backend=backend, dims=dict(self.case.dims), options=dict(self.case.options))
         (report,) = rewrite_graph(graph, [self.plugin], ctx)
         return Rewritten(graph, report, onnx_io.to_model(graph))
 
