@@ -44,3 +44,49 @@ def test_shape_inference_sees_large_initializers_as_typed_inputs_only(monkeypatc
     assert g.values["W"].is_initializer and "W" not in g.inputs  # the graph itself is unchanged
     written = onnx_io.to_model(g)
     assert [t.name for t in written.graph.initializer] == ["W", "n"] and [i.name for i in written.graph.input] == ["x"]
+
+
+def _specialized_claims_model() -> onnx.ModelProto:
+    """The Qwen3-Next export's pattern: a chunk count ``c`` flows through MatMul and Unsqueeze (axes as an
+    input) while the exporter's value_info types both results with ``c = 1``, the traced size."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["a", "W"], ["mm"], name="node_matmul"),
+             helper.make_node("Unsqueeze", ["mm", "ax"], ["un"], name="node_unsqueeze"),
+             helper.make_node("Shape", ["a"], ["sh"], name="shape", end=4),
+             helper.make_node("Concat", ["sh", "tail"], ["sh2"], axis=0, name="cat"),
+             helper.make_node("Reshape", ["un", "sh2"], ["y"], name="reshape")]
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 2, "c", 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, "c", 3, 5, 1])],
+        [numpy_helper.from_array(rng.standard_normal((4, 5)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.array([-1], np.int64), "ax"),
+         numpy_helper.from_array(np.array([5, 1], np.int64), "tail")],
+        value_info=[helper.make_tensor_value_info("mm", TensorProto.FLOAT, [1, 2, 1, 3, 5]),
+                    helper.make_tensor_value_info("un", TensorProto.FLOAT, [1, 2, 1, 3, 5, 1]),
+                    helper.make_tensor_value_info("sh2", TensorProto.INT64, [6])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_claims_their_own_inputs_contradict_take_the_inputs_symbol():
+    g = onnx_io.load(_specialized_claims_model())
+    assert shapes.drop_contradicted_claims(g) == ["mm", "un"]
+    assert g.values["mm"].shape == (1, 2, "c", 3, 5) and g.values["un"].shape == (1, 2, "c", 3, 5, 1)
+    assert shapes.drop_contradicted_claims(g) == []  # nothing left to correct
+    infer_shapes(g)
+    assert g.values["mm"].shape == (1, 2, "c", 3, 5) and g.values["sh2"].shape == (6,)
+
+
+def test_specialized_claims_no_longer_break_iree_compile(tmp_path):
+    """Before the correction iree-compile failed on this graph ('expected ... static value'); now it compiles
+    and agrees with ONNX Runtime at c = 2 (the claims said 1)."""
+    from rewrite.backends import load_runner
+    from rewrite.pipeline import apply
+    from rewrite.verify import reference_outputs
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_specialized_claims_model(), path)
+    apply(path, tmp_path / "iree", backend="iree")
+    a = np.random.default_rng(1).standard_normal((1, 2, 2, 3, 4)).astype(np.float32)
+    got = load_runner(tmp_path / "iree").run({"a": a})["y"]
+    want = reference_outputs(path, {"a": a})["y"]
+    assert got.shape == (1, 2, 2, 3, 5, 1) and np.allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -70,6 +70,62 @@ def _substitute_dims(graph: Graph, dims: dict[str, int]) -> None:
         graph.output_infos.pop(name, None)
 
 
+def drop_contradicted_claims(graph: Graph) -> list[str]:
+    """Replace static dims an exporter claims for a node's output where the node's own inputs, by the op's
+    shape inference, give a symbolic dim (or another size); returns the values changed, in graph order.
+
+    transformers' exporter on Qwen3-Next / Qwen3.5-MoE types the chunked linear-attention values as
+    ``[1, 4, 1, 64, 64]`` while the inputs of the same MatMul carry the chunk count
+    ``((s70 + ...)//64)``: a size specialized to the traced sequence length. IREE's importer takes the
+    claim as the result type and iree-compile then rejects the reshape feeding it. A claim onnx cannot
+    confirm (inference gives no dim) is kept: only a claim contradicted by its inputs' claims is replaced,
+    by the symbol inference propagates from them. Nodes are visited in topological order, so a corrected
+    type reaches its consumers' checks. Graph inputs, initializers and nodes with subgraphs are left alone.
+    """
+    opset = graph.opset("") or 1
+    types: dict[str, onnx.TypeProto] = {}
+
+    def type_of(name: str) -> onnx.TypeProto | None:
+        if name not in types:
+            v = graph.values.get(name)
+            types[name] = (None if v is None or v.dtype is None or v.shape is None
+                           else helper.make_tensor_type_proto(v.dtype, list(v.shape)))
+        return types[name]
+
+    changed = []
+    for node in graph.topo_nodes():
+        if node.domain not in ("", "ai.onnx") or node.has_subgraphs():
+            continue
+        claims = {o: graph.values[o] for o in node.outputs if o in graph.values and graph.values[o].shape is not None}
+        if not any(isinstance(d, int) for v in claims.values() for d in v.shape):
+            continue
+        in_types = {i: type_of(i) for i in node.inputs if i}
+        symbols = {d for i in in_types for d in (graph.values[i].shape or ()) if isinstance(d, str)}
+        if not symbols or any(t is None for t in in_types.values()):
+            continue
+        proto = helper.make_node(node.op_type, node.inputs, node.outputs, domain=node.domain)
+        proto.attribute.extend(node.attrs.values())
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+            data = {i: numpy_helper.from_array(c, i) for i in in_types
+                    if (c := graph.const(i)) is not None and c.size <= 64}  # axes, shapes, pads
+            inferred = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
+        except Exception:  # noqa: BLE001 - an op onnx cannot infer here confirms nothing
+            continue
+        for name, v in claims.items():
+            tp = inferred.get(name)
+            if tp is None or not tp.tensor_type.HasField("shape") or len(tp.tensor_type.shape.dim) != len(v.shape):
+                continue
+            got = [d.dim_value if d.HasField("dim_value") else d.dim_param if d.dim_param in symbols else None
+                   for d in tp.tensor_type.shape.dim]
+            fixed = tuple(g if isinstance(c, int) and g is not None and g != c else c for c, g in zip(v.shape, got))
+            if fixed != v.shape:
+                v.set_type(v.dtype, fixed)
+                types[name] = helper.make_tensor_type_proto(v.dtype, list(fixed))
+                changed.append(name)
+    return changed
+
+
 MAX_ROUNDS = 6  #: inference / partial-evaluation rounds before giving up on further refinement
 
 
@@ -86,6 +142,7 @@ def infer_shapes(graph: Graph, dims: dict[str, int] | None = None) -> int:
     resolve_exporter_dims(graph)
     if dims:
         override_dims(graph, dims)
+    drop_contradicted_claims(graph)
     gained = _infer_round(graph, onnx_io.to_model(graph, skeleton_bytes=SKELETON_MAX_BYTES))
     for _ in range(MAX_ROUNDS):
         known = known_values(graph)
