@@ -8,7 +8,9 @@ Two steps, because the GPU machine has no IREE compiler and no package registry:
 ``prepare`` exports the tiny Qwen1.5-MoE and Qwen3-MoE decoders (transformers' exporter, fp32 and fp16), lowers
 each with every plugin set of :data:`CONFIGS` for ``--backend iree --target cuda`` and ``--backend ort --target
 cuda``, and records the tokens ONNX Runtime CPU decodes greedily on the original export (``PROMPT``, ``STEPS``
-new tokens) in ``bundle.json``. A configuration that cannot be lowered (no lowering for its target) is recorded
+new tokens; for plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json``. It also
+lowers single ops for CUDA with inputs and reference outputs beside them: the router for ``iree`` and FusedMoE
+(:data:`MOE_SAMPLES`: QMoE and MoE) for ``ort``. A configuration that cannot be lowered (no lowering for its target) is recorded
 with its error. ``--lowerings MODULE`` registers more lowerings first (``rewrite_cuda_router.lowering``, the
 iree:cuda router of ``examples/cuda_router_lowering``).
 
@@ -28,6 +30,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 PROMPT = [11, 22, 33, 44, 55]
@@ -40,6 +44,7 @@ CONFIGS = (
     ("iree", "cast,legalize,expand,kv,topk", True),
     ("ort", "cast,kv,topk", True),
     ("ort", "cast,kv,topk,moe", True),
+    ("ort", "quant4,cast,kv,topk,moe", True),  # QMoE (fp16) / dequantized MoE (fp32): against the quantized model
 )
 
 
@@ -63,10 +68,13 @@ def prepare(out: Path, lowerings: list[str]) -> None:
                     model = qwen_moe.build_model(arch, "tiny", dtype=torch.float16 if dtype == "fp16" else torch.float32)
                     src = qwen_moe.export_hf(model, out / f"{arch}_{dtype}_src")
                 ref = Generator.reference(src).generate(PROMPT, STEPS).tokens
+                # lossy plugins are checked against the model they make, run on ONNX Runtime CPU
+                apply(src, out / f"{arch}_{dtype}_quant4_src", plugins="quant4", backend="ort")
+                ref_q4 = Generator.reference(out / f"{arch}_{dtype}_quant4_src" / "model.onnx").generate(PROMPT, STEPS).tokens
                 for backend, plugins, expected in CONFIGS:
                     name = f"{arch}_{dtype}_{backend}_{plugins.replace(',', '-')}"
                     row = dict(model=arch, dtype=dtype, backend=backend, target="cuda", plugins=plugins, folder=name,
-                               reference=ref, expected=expected, error=None)
+                               reference=ref_q4 if plugins.startswith("quant4") else ref, expected=expected, error=None)
                     try:
                         apply(src, out / name, plugins=plugins, backend=backend, target="cuda", options={"kv": {"max_seq": 64}})
                     except RewriteError as e:
@@ -84,6 +92,16 @@ def prepare(out: Path, lowerings: list[str]) -> None:
             (out / f"{name}.onnx").unlink()
             rows.append(row)
             print(f"prepared {name}: {row['error'] or 'ok'}", flush=True)
+        for name, sample in MOE_SAMPLES.items():  # FusedMoE alone, lowered for ort:cuda, against its reference
+            folder = f"moe_{name}_ort"
+            row = dict(model=f"moe-{name}", dtype=str(np.dtype(sample["dtype"])), backend="ort", target="cuda",
+                       plugins="-", folder=folder, reference=None, expected=True, error=None)
+            try:
+                _moe_op_folder(out / folder, sample)
+            except RewriteError as e:
+                row["error"] = str(e)
+            rows.append(row)
+            print(f"prepared {folder}: {row['error'] or 'ok'}", flush=True)
     (out / "bundle.json").write_text(json.dumps({"prompt": PROMPT, "steps": STEPS, "rows": rows}, indent=1) + "\n")
 
 
@@ -93,7 +111,6 @@ ROUTER_E, ROUTER_K = 60, 4  #: Qwen1.5-MoE-A2.7B's router: 60 experts, top-4
 
 def _router_model(path: Path, mode: str) -> Path:
     """softmax_topk: TopK(Softmax(logits), 4) renormalized; topk_softmax: Softmax(TopK(logits, 4))."""
-    import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -114,9 +131,105 @@ def _router_model(path: Path, mode: str) -> Path:
     return path
 
 
+#: FusedMoE samples for ort:cuda: (E, k, H, I), block size (0: float experts), zero points, mode, normalize,
+#: gpt-oss's activation and biases. QMoE's CUDA paths: asymmetric grouped GEMM, the symmetric GEMV fast path
+#: (fp16, N and K >= 512, T*k <= 8: seed 003 section 4), routed weights; fp32 INT4 lowers to dequantized MoE.
+MOE_SAMPLES = {
+    "int4-asym-qwen15": dict(dtype=np.float16, dims=(8, 4, 256, 128), bs=64, zp=True, mode="softmax_topk", normalize=0),
+    "int4-asym-bs128": dict(dtype=np.float16, dims=(8, 2, 256, 128), bs=128, zp=True, mode="softmax_topk", normalize=1),
+    "int4-sym-gemv": dict(dtype=np.float16, dims=(4, 2, 512, 512), bs=128, zp=False, mode="topk_softmax", normalize=1),
+    "int4-routed": dict(dtype=np.float16, dims=(8, 2, 256, 128), bs=64, zp=True, mode="routed", normalize=1),
+    "int4-gptoss": dict(dtype=np.float16, dims=(8, 2, 256, 128), bs=64, zp=False, mode="topk_softmax", normalize=1,
+                        gptoss=True),
+    "int4-f32": dict(dtype=np.float32, dims=(8, 2, 256, 128), bs=64, zp=True, mode="softmax_topk", normalize=1),
+    "float-f16": dict(dtype=np.float16, dims=(8, 2, 256, 128), bs=0, zp=False, mode="softmax_topk", normalize=0),
+}
+MOE_TOKENS = (1, 3, 8)  #: token counts each sample runs (decode, ragged, a prefill chunk)
+
+
+def _moe_op_folder(folder: Path, sample: dict) -> None:
+    """One FusedMoE over graph inputs hidden [T, H] and scores [T, E] (``routed``: Softmax/TopK in the graph
+    make the weights and ids), lowered with ``apply --backend ort --target cuda``; ``cases.npz`` beside it holds
+    the inputs and the reference outputs for :data:`MOE_TOKENS`."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from rewrite.core.abstract_ops import DOMAIN
+    from rewrite.core.int4 import pack_int4
+    from rewrite.pipeline import apply
+    from rewrite.plugins.moe.lowering import FusedMoE
+
+    rng = np.random.default_rng(0)
+    dt, (e, k, h, i), bs = sample["dtype"], sample["dims"], sample["bs"]
+    attrs = dict(k=k, normalize=sample["normalize"], mode=sample["mode"], activation="swiglu")
+    if sample.get("gptoss"):
+        attrs.update(activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
+    w = dict(fc1=None, fc2=None, s1=None, z1=None, s2=None, z2=None, ids=None, b1=None, b2=None)
+    if bs:
+        attrs["block_size"] = bs
+        w["fc1"], w["fc2"] = pack_int4(rng.integers(0, 16, (e, 2 * i, h))), pack_int4(rng.integers(0, 16, (e, h, i)))
+        w["s1"] = (rng.uniform(0.5, 1.5, (e, 2 * i, -(-h // bs))) * 0.02).astype(dt)
+        w["s2"] = (rng.uniform(0.5, 1.5, (e, h, -(-i // bs))) * 0.02).astype(dt)
+        if sample["zp"]:
+            w["z1"] = rng.integers(0, 16, w["s1"].shape).astype(np.uint8)
+            w["z2"] = rng.integers(0, 16, w["s2"].shape).astype(np.uint8)
+    else:
+        w["fc1"], w["fc2"] = ((rng.standard_normal(s) * 0.05).astype(dt) for s in ((e, 2 * i, h), (e, h, i)))
+    if sample.get("gptoss"):
+        w["b1"], w["b2"] = (rng.standard_normal((e, 2 * i)) * 0.1).astype(dt), (rng.standard_normal((e, h)) * 0.1).astype(dt)
+    ins = ["hidden", "scores"] + [n if v is not None else "" for n, v in w.items()]
+    inits = [numpy_helper.from_array(v, n) for n, v in w.items() if v is not None]
+    nodes = []
+    if sample["mode"] == "routed":
+        inits.append(numpy_helper.from_array(np.array([k], np.int64), "k"))
+        nodes += [helper.make_node("Softmax", ["scores"], ["p"], axis=-1), helper.make_node("TopK", ["p", "k"], ["rw", "ids"], axis=-1)]
+        ins[1], ins[8] = "rw", "ids"
+    while not ins[-1]:
+        ins.pop()
+    nodes.append(helper.make_node("FusedMoE", ins, ["y"], domain=DOMAIN, name="moe", **attrs))
+    tdt = helper.np_dtype_to_tensor_dtype(np.dtype(dt))
+    g = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("hidden", tdt, ["T", h]), helper.make_tensor_value_info("scores", tdt, ["T", e])],
+                          [helper.make_tensor_value_info("y", tdt, ["T", h])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+    m.ir_version = 10
+    src = folder.with_suffix(".onnx")
+    onnx.save(m, src)
+    apply(src, folder, backend="ort", target="cuda")
+    src.unlink()
+    cases = {}
+    for t in MOE_TOKENS:
+        x = rng.standard_normal((t, h)).astype(dt)
+        scores = (0.25 * rng.permuted(np.broadcast_to(np.arange(e, dtype=np.float64), (t, e)), axis=-1) - 0.5).astype(dt)
+        logits, ids = scores, None
+        if sample["mode"] == "routed":  # the graph's own Softmax/TopK, as ONNX Runtime computes them
+            p = np.exp(scores.astype(np.float32) - scores.astype(np.float32).max(-1, keepdims=True))
+            p = (p / p.sum(-1, keepdims=True)).astype(dt)
+            ids = np.argsort(-p.astype(np.float32), axis=-1, kind="stable")[:, :k].astype(np.int64)
+            logits = np.take_along_axis(p, ids, -1)
+        ws = [w[n] if n != "ids" else ids for n in w]
+        cases[f"hidden_{t}"], cases[f"scores_{t}"] = x, scores
+        cases[f"want_{t}"] = FusedMoE().reference(attrs, x, logits, *ws)[0]
+    np.savez(folder / "cases.npz", **cases)
+
+
+def _check_moe(folder: Path) -> str | None:
+    """None when the folder's FusedMoE lowering equals the reference for every token count (float32 rel. 1e-4,
+    float16 1e-2 of the output's largest magnitude)."""
+    from rewrite.backends import load_runner
+
+    runner = load_runner(folder)
+    cases = np.load(folder / "cases.npz")
+    for t in MOE_TOKENS:
+        want = cases[f"want_{t}"].astype(np.float64)
+        got = runner.run({"hidden": cases[f"hidden_{t}"], "scores": cases[f"scores_{t}"]})["y"]
+        err = float(np.abs(got.astype(np.float64) - want).max() / max(1.0, np.abs(want).max()))
+        if err > (1e-4 if want.dtype == np.float32 and got.dtype == np.float32 else 1e-2):
+            return f"{t} tokens: rel. error {err:.2e}"
+    return None
+
+
 def _check_router(folder: Path, mode: str) -> str | None:
     """None when the folder's router equals the reference on random logits of 1, 7, 65 and 300 tokens."""
-    import numpy as np
 
     from rewrite.backends import load_runner
     from rewrite.plugins.router.op import router_topk_reference
@@ -149,8 +262,9 @@ def run(bundle: Path) -> int:
             print(f"{head} skipped: this onnxruntime has no CUDA execution provider (install onnxruntime-gpu)")
             continue
         try:
-            if row["reference"] is None:  # a router row: the kernel against its numpy reference
-                why = _check_router(bundle / row["folder"], row["model"].split("-", 1)[1])
+            if row["reference"] is None:  # an op row: the lowering against its numpy reference
+                kind, name = row["model"].split("-", 1)
+                why = _check_router(bundle / row["folder"], name) if kind == "router" else _check_moe(bundle / row["folder"])
                 print(f"{head} {'ok (equals the reference)' if why is None else 'WRONG: ' + why}", flush=True)
                 bad += why is not None
                 continue

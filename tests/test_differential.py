@@ -334,3 +334,50 @@ def test_empty_batches_on_iree_equal_the_reference(tmp_path, what):
         _check_moe(find(moe_samples(iree=True), lambda s: s[1].shape[0] == 0, settings=quiet), "iree", tmp_path)
     else:
         _check_kv(find(kv_samples(), lambda s: s[2].size == 0, settings=quiet), "iree", tmp_path)
+
+
+# ------------------------------------------------------------------ FusedMoE for the CUDA execution provider
+def _int4_sample(mode: str, h: int, i: int, bs: int, zp: bool, dtype=np.float16, e: int = 8, k: int = 2, t: int = 3):
+    from rewrite.plugins.moe.lowering import pack_int4
+
+    rng = np.random.default_rng(h + i + bs)
+    attrs = dict(k=k, normalize=1, mode=mode, activation="swiglu", block_size=bs)
+    fc1, fc2 = pack_int4(rng.integers(0, 16, (e, 2 * i, h))), pack_int4(rng.integers(0, 16, (e, h, i)))
+    s1 = (rng.uniform(0.5, 1.5, (e, 2 * i, -(-h // bs))) * 0.02).astype(dtype)
+    s2 = (rng.uniform(0.5, 1.5, (e, h, -(-i // bs))) * 0.02).astype(dtype)
+    z1 = rng.integers(0, 16, s1.shape).astype(np.uint8) if zp else None
+    z2 = rng.integers(0, 16, s2.shape).astype(np.uint8) if zp else None
+    hidden = rng.standard_normal((t, h)).astype(dtype)
+    scores = (0.25 * rng.permuted(np.broadcast_to(np.arange(e, dtype=np.float64), (t, e)), axis=-1) - 0.5).astype(dtype)
+    return attrs, hidden, scores, [fc1, fc2, s1, z1, s2, z2, None, None, None]
+
+
+@pytest.mark.parametrize("mode, h, i, bs, zp, dtype, op, block", [
+    ("softmax_topk", 256, 128, 64, True, np.float16, "QMoE", 64),
+    ("softmax_topk", 256, 128, 128, True, np.float16, "QMoE", 64),   # 1 block of 128 along I: split in two
+    ("softmax_topk", 256, 128, 128, False, np.float16, "QMoE", 128),  # symmetric: one block is fine
+    ("routed", 256, 128, 64, True, np.float16, "QMoE", 64),           # log(w) as router_probs, times sum(w)
+    ("softmax_topk", 128, 64, 64, True, np.float16, "MoE", None),     # 1 block along I with zero points: float
+    ("softmax_topk", 256, 128, 64, True, np.float32, "MoE", None),    # QMoE has no float32 CUDA kernel
+])
+def test_fused_moe_cuda_lowering_takes_the_forms_the_cuda_kernels_compute_right(tmp_path, mode, h, i, bs, zp, dtype, op, block):
+    """The ort:cuda lowering emits what onnxruntime-gpu 1.31 computes right on an H200 (examples/gpu_check.py
+    measures it there): QMoE with weights_prepacked=0 and without router_weights, else dequantized MoE. The CPU
+    execution provider computes the same forms, so their numbers are checked here against the reference."""
+    from rewrite.plugins.moe.lowering import FusedMoE
+
+    attrs, hidden, scores, weights = _int4_sample(mode, h, i, bs, zp, dtype)
+    want = _moe_reference(attrs, hidden, scores, weights)
+    g = onnx_io.load(_moe_model(attrs, hidden, scores, weights))
+    FusedMoE().lower_ort_cuda(g, g.nodes_by_op("FusedMoE", DOMAIN)[0])
+    m = onnx_io.to_model(g)
+    (moe,) = [n for n in m.graph.node if n.op_type in ("QMoE", "MoE")]
+    assert moe.op_type == op
+    if op == "QMoE":
+        got_attrs = {a.name: helper.get_attribute_value(a) for a in moe.attribute}
+        assert got_attrs["weights_prepacked"] == 0 and got_attrs["block_size"] == block
+        assert len(moe.input) <= 14  # no router_weights
+    onnx.save(m, tmp_path / "m.onnx")
+    got = OrtRunner(tmp_path / "m.onnx", optimize="basic").run({"hidden": hidden, "scores": scores})["y"]
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    assert np.abs(got.astype(np.float64) - want.astype(np.float64)).max() <= tol * max(1.0, float(np.abs(want).max()))

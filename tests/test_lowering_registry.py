@@ -28,7 +28,7 @@ def _builtin_only():
 def test_builtin_ops_declare_their_targets():
     reg = _builtin_only()
     assert reg.targets_of("MoERouterTopK") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu"]
-    assert reg.targets_of("FusedMoE") == ["ort:cpu", "iree:llvm-cpu"]
+    assert reg.targets_of("FusedMoE") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu"]
     assert reg.targets_of("KVCacheUpdate") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu", "iree:cuda"]
 
 
@@ -48,31 +48,55 @@ def test_a_target_without_a_lowering_stops_apply_with_one_line(tmp_path, plugin,
     model = router_onnx if plugin == "topk" else qwen2_moe_tiny
     r = _cli("apply", model, "--plugins", plugin, "--backend", "iree", "--target", "cuda", "-o", tmp_path / "out")
     assert r.returncode == 2
-    has = "ort:cpu, ort:cuda, iree:llvm-cpu" if plugin == "topk" else "ort:cpu, iree:llvm-cpu"
+    has = "ort:cpu, ort:cuda, iree:llvm-cpu"
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith(f"error: abstract op {op} (at node '") and line.endswith(f"has no lowering for iree:cuda; it has lowerings for {has}")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))] == []  # no folder, no staging left
 
 
-def test_a_lowering_from_the_hook_fills_its_slot(tmp_path, qwen2_moe_tiny):
+def test_a_lowering_from_the_hook_fills_its_slot(tmp_path):
     """A lowering registered through ``rewrite_lowerings`` (as a package's entry point would) is what ``apply``
-    uses for its target, and only while it is registered."""
-    from rewrite.pipeline import apply
-    from rewrite.plugins.moe.lowering import FusedMoE
+    uses for its target, and only while it is registered: here of an op no plugin declares, y = 2 x."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
 
+    from rewrite.backends import load_runner
+    from rewrite.core.abstract_ops import DOMAIN
+    from rewrite.core.rules import Builder
+    from rewrite.pipeline import apply
+
+    g = helper.make_graph([helper.make_node("Double", ["x"], ["y"], domain=DOMAIN, name="double")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    path = tmp_path / "double.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10), path)
     used = []
 
     def lower(graph, node):
         used.append(node.op_type)
-        FusedMoE().lower_ort(graph, node)
+        b = Builder(graph, "lower/Double", node.order, node.name)
+        graph.replace_node(node, [b.op("Add", [node.inputs[0], node.inputs[0]], dtype=TensorProto.FLOAT, shape=(3,))])
 
-    with pytest.raises(LoweringError, match="FusedMoE .* has no lowering for ort:cuda"):
-        apply(qwen2_moe_tiny, tmp_path / "out", plugins="moe", backend="ort", target="cuda")
-    with registered_lowerings([Lowering("FusedMoE", "ort", ("cuda",), lower, origin="test")]):
-        m = apply(qwen2_moe_tiny, tmp_path / "out", plugins="moe", backend="ort", target="cuda")
-    assert used == ["FusedMoE", "FusedMoE"]  # the tiny model's two MoE layers
+    with pytest.raises(LoweringError, match="Double .* has no lowering for ort:cuda"):
+        apply(path, tmp_path / "out", backend="ort", target="cuda")
+    with registered_lowerings([Lowering("Double", "ort", ("cuda",), lower, origin="test")]):
+        m = apply(path, tmp_path / "out", backend="ort", target="cuda")
+    assert used == ["Double"]
     assert m.session["providers"] == ["CUDAExecutionProvider", "CPUExecutionProvider"] and m.session["optimize"] == "basic"
-    assert lowering_registry().get("FusedMoE", "ort", "cuda") is None
+    assert lowering_registry().get("Double", "ort", "cuda") is None
+    m.session["providers"] = ["CPUExecutionProvider"]  # run it here: the lowered graph is plain ONNX
+    m.write(tmp_path / "out")
+    got = load_runner(tmp_path / "out").run({"x": np.array([1, 2, 3], np.float32)})["y"]
+    assert got.tolist() == [2, 4, 6]
+
+
+def test_a_second_lowering_for_a_taken_slot_names_both_packages(qwen2_moe_tiny, tmp_path):
+    from rewrite.pipeline import apply
+
+    with registered_lowerings([Lowering("FusedMoE", "ort", ("cuda",), print, origin="test")]), \
+            pytest.raises(LoweringError, match="two lowerings of FusedMoE for ort:cuda: rewrite.plugins.moe.lowering and test"):
+        apply(qwen2_moe_tiny, tmp_path / "out", plugins="moe", backend="ort", target="cuda")
 
 
 @pytest.mark.parametrize("backend", ["ort", "iree"])

@@ -335,8 +335,13 @@ class MoE(Plugin):
                 continue
             fc1 = graph.values[n.inputs[2]].shape
             h, i = graph.values[n.inputs[0]].shape[1], fc1[1] // 2
-            q = _ort_block(bs, h, i, len(n.inputs) > 5 and bool(n.inputs[5]))
-            if q == 0:
+            cuda = getattr(ctx, "target", "cpu") == "cuda"
+            q = _ort_block(bs, h, i, len(n.inputs) > 5 and bool(n.inputs[5]), cuda=cuda)
+            f32 = graph.values[n.inputs[0]].dtype != TensorProto.FLOAT16
+            if cuda and f32:
+                report.notes.append(f"{n.name}: QMoE has no float32 CUDA kernel; ONNX Runtime runs com.microsoft "
+                                    "MoE with dequantized float experts")
+            elif q == 0:
                 report.notes.append(f"{n.name}: INT4 block {bs} with H={h}, I={i} has no QMoE block_size; "
                                     "ONNX Runtime runs com.microsoft MoE with dequantized float experts")
             elif q != bs:

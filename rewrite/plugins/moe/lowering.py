@@ -45,6 +45,7 @@ from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.int4 import ORT_MAX_BLOCK, pack_int4, unpack_int4
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cpu_object, cpu_executable_target, kernel_source
+from rewrite.core.lowering import Lowering
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
@@ -85,10 +86,13 @@ def activation_params(attrs: dict) -> tuple[float, float, float]:
 class FusedMoE(AbstractOp):
     """The contract in the module docstring; ORT lowering to com.microsoft MoE / QMoE, IREE to two C kernels."""
 
-    ort_targets = ("cpu",)  # QMoE in the CPU EP's weight layout (the CUDA EP's differs: seed 003 section 5.1)
+    ort_targets = ("cpu",)  # lower_ort; ort:cuda is lower_ort_cuda (QMoE's CUDA weight layout: seed 003 section 5.1)
     iree_targets = ("llvm-cpu",)  # C kernels
 
     op_type = "FusedMoE"
+
+    def lowerings(self) -> list[Lowering]:
+        return super().lowerings() + [Lowering(self.op_type, "ort", ("cuda",), self.lower_ort_cuda, origin=type(self).__module__)]
 
     # ------------------------------------------------------------ reference
     def reference(self, attrs: dict, hidden, logits, fc1, fc2, s1=None, z1=None, s2=None, z2=None, ids=None,
@@ -125,6 +129,20 @@ class FusedMoE(AbstractOp):
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
+        """For the CPU execution provider: see :meth:`_lower_ort`."""
+        self._lower_ort(graph, node, cuda=False)
+
+    def lower_ort_cuda(self, graph: Graph, node: Node) -> None:
+        """For the CUDA execution provider (onnxruntime-gpu 1.31, measured on an H200 against :meth:`reference`):
+        QMoE gets ``weights_prepacked=0``, so the EP packs the raw [E, N, K/2] codes into its SM80 layout at
+        session start (seed 003 section 5.1; the default, -1, reads them as already packed and gave rel. error
+        1.5); block_size 64 or 128 only (seed 003 section 4), with zero points only where each row has 2 blocks
+        or more (:func:`_ort_block`); no ``router_weights``, which this kernel ignores: the routed mode passes
+        log(w) as router_probs, as for MoE (the CUDA kernel honours normalize_routing_weights=0). QMoE has no
+        float32 CUDA kernel, so f32 INT4 experts are dequantized to com.microsoft MoE, which has one."""
+        self._lower_ort(graph, node, cuda=True)
+
+    def _lower_ort(self, graph: Graph, node: Node, cuda: bool) -> None:
         """com.microsoft MoE (float) or QMoE (INT4) with swiglu_fusion=1 (interleaved gate/up rows: the only
         layout ORT 1.32's CPU kernels accept) and router_probs = the logits (the op applies softmax, top-k).
 
@@ -168,18 +186,18 @@ class FusedMoE(AbstractOp):
         out_shape = graph.values[node.outputs[0]].shape
         fb1 = b.const(_interleave(c1).astype(npdt), "fc1_bias") if c1 is not None else ""
         fb2 = b.const(c2.astype(npdt), "fc2_bias") if c2 is not None else ""
-        qbs = _ort_block(bs, H, I, bool(z1)) if bs else 0
+        qbs = _ort_block(bs, H, I, bool(z1), cuda=cuda) if bs and (dt == TensorProto.FLOAT16 or not cuda) else 0
         scale = None  # routed float MoE: the sum of the weights its softmax divided by
         if mode == "routed":
             attrs["normalize_routing_weights"] = 0
             low = -6e4 if npdt == np.float16 else -1e30  # router_probs of the experts not given: never selected (finite in f16)
-            if bs and qbs:
+            if bs and qbs and not cuda:  # (the CUDA QMoE ignores router_weights: measured, rel. error 1.4)
                 probs = _scatter(b, hidden, ids, b.op("Mul", [logits, b.const(np.zeros((), npdt), "zero")], dtype=dt), E, low, dt)
                 weights = _scatter(b, hidden, ids, logits, E, 0.0, dt)
             else:
                 why = positive(graph, logits)
                 if why:
-                    raise BackendError(f"node {node.describe()}: com.microsoft MoE takes routed weights as probabilities, "
+                    raise BackendError(f"node {node.describe()}: com.microsoft {'QMoE' if bs and qbs else 'MoE'} takes routed weights as probabilities, "
                                        f"but '{logits}' is not provably positive ({why})")
                 tiny = np.float32(np.finfo(npdt).smallest_subnormal if npdt == np.float16 else np.finfo(np.float32).tiny)
                 logw = b.op("Log", [b.op("Max", [logits, b.const(np.asarray(tiny, npdt), "tiny")], dtype=dt)], dtype=dt)
@@ -198,14 +216,18 @@ class FusedMoE(AbstractOp):
                 zp1 = np.repeat(graph.const(z1), rep, -1)[..., : H // qbs]
                 zp2 = np.repeat(graph.const(z2), rep, -1)[..., : I // qbs]
                 q_ins += [b.const(pack_int4(_interleave(zp1)), "fc1_zp"), b.const(pack_int4(zp2), "fc2_zp")]
-            if weights is None and not normalize:
+            if weights is None and not normalize and not cuda:
                 # ORT 1.32's CPU QMoE renormalises the top-k weights even with normalize_routing_weights=0
                 # (measured: tests/test_plugin_moe.py); router_weights = softmax(logits) gives it the raw ones.
                 weights = b.op("Softmax", [logits], axis=-1, dtype=dt)
             if weights is not None:
                 q_ins += [""] * (14 - len(q_ins)) + [weights]
+            if cuda:
+                attrs["weights_prepacked"] = 0
             out = b.op("QMoE", q_ins, domain="com.microsoft", expert_weight_bits=4, block_size=qbs, dtype=dt,
                        shape=out_shape, **attrs)
+            if scale is not None:
+                out = b.op("Mul", [out, scale], dtype=dt, shape=out_shape)
         else:
             if bs:
                 w1 = dequantize(w1, graph.const(s1), graph.const(z1) if z1 else None, H, bs)
@@ -352,9 +374,14 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], route
 
 
 
-def _ort_block(bs: int, h: int, i: int, zero_points: bool) -> int:
-    """Largest power-of-two block <= ORT_MAX_BLOCK dividing ``bs``, H and I that QMoE accepts (>= 16; >= 64
-    with zero points); 0 if none."""
+def _ort_block(bs: int, h: int, i: int, zero_points: bool, cuda: bool = False) -> int:
+    """Largest power-of-two block dividing ``bs``, H and I that QMoE accepts: on the CPU EP <= ORT_MAX_BLOCK
+    and >= 16 (>= 64 with zero points); on the CUDA EP 64 or 128, and with zero points at least 2 blocks along
+    both H and I (onnxruntime-gpu 1.31 on an H200: H=128, I=64 with block 64, or H=256, I=128 with block 128,
+    give rel. errors of 0.3-1.6 with zero points and 1e-3 without). 0 if none."""
+    if cuda:
+        fits = lambda q: bs % q == 0 and h % q == 0 and i % q == 0 and (not zero_points or min(h, i) >= 2 * q)  # noqa: E731
+        return next((q for q in (128, 64) if fits(q)), 0)
     q = min(bs & -bs, ORT_MAX_BLOCK)  # bs & -bs: largest power of two dividing bs (96 -> 32)
     while q >= (64 if zero_points else 16):
         if h % q == 0 and i % q == 0:
