@@ -10,7 +10,7 @@ each with every plugin set of :data:`CONFIGS` for ``--backend iree --target cuda
 cuda``, and records the tokens ONNX Runtime CPU decodes greedily on the original export (``PROMPT``, ``STEPS``
 new tokens; for plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json``. It also
 lowers single ops for CUDA with inputs and reference outputs beside them: the router for ``iree`` and FusedMoE
-(:data:`MOE_SAMPLES`: QMoE and MoE) for ``ort``. A configuration that cannot be lowered (no lowering for its target) is recorded
+(:data:`MOE_SAMPLES`) for ``ort`` (QMoE and MoE) and ``iree`` (the moe plugin's CUDA kernels). A configuration that cannot be lowered (no lowering for its target) is recorded
 with its error. ``--lowerings MODULE`` registers more lowerings first (``rewrite_cuda_router.lowering``, the
 iree:cuda router of ``examples/cuda_router_lowering``).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import sys
 import warnings
@@ -44,6 +45,8 @@ CONFIGS = (
     ("iree", "cast,legalize,expand,kv,topk", True),
     ("ort", "cast,kv,topk", True),
     ("ort", "cast,kv,topk,moe", True),
+    ("iree", "cast,legalize,expand,kv,topk,moe", True),  # FusedMoE: the moe plugin's CUDA kernels
+    ("iree", "quant4,cast,legalize,expand,kv,topk,moe", True),  # INT4 experts: against the quantized model
     ("ort", "quant4,cast,kv,topk,moe", True),  # QMoE (fp16) / dequantized MoE (fp32): against the quantized model
 )
 
@@ -92,12 +95,12 @@ def prepare(out: Path, lowerings: list[str]) -> None:
             (out / f"{name}.onnx").unlink()
             rows.append(row)
             print(f"prepared {name}: {row['error'] or 'ok'}", flush=True)
-        for name, sample in MOE_SAMPLES.items():  # FusedMoE alone, lowered for ort:cuda, against its reference
-            folder = f"moe_{name}_ort"
-            row = dict(model=f"moe-{name}", dtype=str(np.dtype(sample["dtype"])), backend="ort", target="cuda",
+        for (name, sample), backend in itertools.product(MOE_SAMPLES.items(), ("ort", "iree")):
+            folder = f"moe_{name}_{backend}"  # FusedMoE alone, lowered for CUDA, against its reference
+            row = dict(model=f"moe-{name}", dtype=str(np.dtype(sample["dtype"])), backend=backend, target="cuda",
                        plugins="-", folder=folder, reference=None, expected=True, error=None)
             try:
-                _moe_op_folder(out / folder, sample)
+                _moe_op_folder(out / folder, sample, backend)
             except RewriteError as e:
                 row["error"] = str(e)
             rows.append(row)
@@ -147,9 +150,9 @@ MOE_SAMPLES = {
 MOE_TOKENS = (1, 3, 8)  #: token counts each sample runs (decode, ragged, a prefill chunk)
 
 
-def _moe_op_folder(folder: Path, sample: dict) -> None:
+def _moe_op_folder(folder: Path, sample: dict, backend: str) -> None:
     """One FusedMoE over graph inputs hidden [T, H] and scores [T, E] (``routed``: Softmax/TopK in the graph
-    make the weights and ids), lowered with ``apply --backend ort --target cuda``; ``cases.npz`` beside it holds
+    make the weights and ids), lowered with ``apply --backend <backend> --target cuda``; ``cases.npz`` holds
     the inputs and the reference outputs for :data:`MOE_TOKENS`."""
     import onnx
     from onnx import helper, numpy_helper
@@ -194,7 +197,7 @@ def _moe_op_folder(folder: Path, sample: dict) -> None:
     m.ir_version = 10
     src = folder.with_suffix(".onnx")
     onnx.save(m, src)
-    apply(src, folder, backend="ort", target="cuda")
+    apply(src, folder, backend=backend, target="cuda")
     src.unlink()
     cases = {}
     for t in MOE_TOKENS:

@@ -381,3 +381,45 @@ def test_fused_moe_cuda_lowering_takes_the_forms_the_cuda_kernels_compute_right(
     got = OrtRunner(tmp_path / "m.onnx", optimize="basic").run({"hidden": hidden, "scores": scores})["y"]
     tol = 1e-5 if dtype == np.float32 else 1e-2
     assert np.abs(got.astype(np.float64) - want.astype(np.float64)).max() <= tol * max(1.0, float(np.abs(want).max()))
+
+
+def _cuda_device() -> bool:
+    try:
+        import iree.runtime as rt
+
+        return bool(rt.get_driver("cuda").query_available_devices())
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("mode, dtype", [("softmax_topk", np.float16), ("routed", np.float32)])
+def test_fused_moe_compiles_for_iree_cuda_with_the_plugins_kernels(tmp_path, mode, dtype):
+    """iree:cuda lowers FusedMoE to two extern dispatches of moe_cuda.cu (PTX carried in the folder); on a
+    machine with a CUDA device the folder's outputs equal the reference at 1, 3 and 8 tokens."""
+    attrs, hidden, scores, weights = _int4_sample(mode, 256, 128, 64, True, dtype)
+    path = tmp_path / "m.onnx"
+    onnx.save(_moe_model(attrs, hidden, scores, weights), path)
+    m = apply(path, tmp_path / "out", backend="iree", target="cuda")
+    kernels = sorted(p.name for p in (tmp_path / "out" / "kernels").iterdir())
+    assert len(kernels) == 1 and kernels[0].startswith("moe_cuda") and kernels[0].endswith(".sm_80.ptx")
+    mlir = (tmp_path / "out" / m.files["mlir"]).read_text()
+    el = "f16" if dtype == np.float16 else "f32"
+    assert mlir.count(f"::@moe_gate_up_{el}[") == 1 and mlir.count(f"::@moe_down_{el}[") == 1
+    if not _cuda_device():
+        return
+    runner = load_runner(tmp_path / "out")
+    for t in (1, 3, 8):
+        a, x, s, w = _int4_sample(mode, 256, 128, 64, True, dtype, t=t)
+        want = _moe_reference(a, x, s, w).astype(np.float64)
+        got = runner.run({"hidden": x, "scores": s})["y"].astype(np.float64)
+        assert np.abs(got - want).max() <= (1e-4 if dtype == np.float32 else 1e-2) * max(1.0, float(np.abs(want).max()))
+
+
+def test_fused_moe_shapes_the_cuda_kernels_do_not_take_are_refused_with_the_reason(tmp_path):
+    from rewrite.errors import RewriteError
+
+    attrs, hidden, scores, weights = _int4_sample("softmax_topk", 252, 128, 36, True)  # H, block not multiples of 8
+    path = tmp_path / "m.onnx"
+    onnx.save(_moe_model(attrs, hidden, scores, weights), path)
+    with pytest.raises(RewriteError, match=r"FusedMoE on cuda: H=252, I=128, E=8, block_size=36; the kernels take"):
+        apply(path, tmp_path / "out", backend="iree", target="cuda")

@@ -12,7 +12,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"rewrite/plugins/moe/kernels/moe_cpu.c", "rewrite/plugins/router/kernels/router_topk.c"}
+KERNELS = {"rewrite/plugins/moe/kernels/moe_cpu.c", "rewrite/plugins/moe/kernels/moe_cuda.cu",
+           "rewrite/plugins/moe/kernels/moe_cuda.sm_80.ptx", "rewrite/plugins/router/kernels/router_topk.c"}
 
 
 def test_a_wheel_holds_the_kernels_and_lowers_topk_for_iree_without_the_repo(tmp_path):

@@ -383,6 +383,20 @@ class IreeModule:
             results = (results,)
         return [np.array(r.to_host(), copy=True) for r in results]
 
+    @property
+    def device(self) -> "rt.HalDevice":
+        """The HAL device the module runs on (for ``iree.runtime.asdevicearray``)."""
+        return self._device
+
+    def invoker(self, function: str | None = None) -> "rt.FunctionInvoker":
+        """The runtime's invoker of ``function`` in this module's context: it takes device arrays
+        (``iree.runtime.asdevicearray(module.device, a)``) and returns device arrays, copying nothing to or
+        from the host; for timing a module without the transfers :meth:`__call__` makes."""
+        name = self._resolve_function(function)
+        if name not in self._invokers:
+            self._invokers[name] = rt.FunctionInvoker(self._context, self._device, self._main.lookup_function(name))
+        return self._invokers[name]
+
     def _resolve_function(self, function: str | None) -> str:
         if function is None:
             if len(self.function_names) != 1:

@@ -314,7 +314,8 @@ class MoE(Plugin):
     runs_after = ("topk",)
     description = "Fuse each MoE block's routed experts (router + SwiGLU experts + weighted sum) into FusedMoE"
     opset_range = (13, 28)
-    kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "kernels/moe_cpu.c"),)
+    kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "kernels/moe_cpu.c"),
+               KernelObject("moe_gate_up_f32/f16, moe_down_f32/f16", "iree", "cuda", "kernels/moe_cuda.cu"))
 
     @property
     def rules(self):

@@ -44,12 +44,14 @@ from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.int4 import ORT_MAX_BLOCK, pack_int4, unpack_int4
 from rewrite.core.ir import Graph, Node
-from rewrite.core.kernels import build_cpu_object, cpu_executable_target, kernel_source
+from rewrite.core.kernels import build_cpu_object, build_cuda_ptx, cpu_executable_target, kernel_source
 from rewrite.core.lowering import Lowering
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
 ROWS_PER_WORKGROUP = 32  #: ROWS in rewrite/plugins/moe/kernels/moe_cpu.c
+#: GATE_ROWS, DOWN_ROWS, THREADS, MAX_E in rewrite/plugins/moe/kernels/moe_cuda.cu
+CUDA_GATE_ROWS, CUDA_DOWN_ROWS, CUDA_THREADS, CUDA_MAX_E = 4, 4, 128, 512
 _FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64}
 MODES = ("softmax_topk", "topk_softmax", "routed")
 #: input positions of the contract
@@ -87,12 +89,13 @@ class FusedMoE(AbstractOp):
     """The contract in the module docstring; ORT lowering to com.microsoft MoE / QMoE, IREE to two C kernels."""
 
     ort_targets = ("cpu",)  # lower_ort; ort:cuda is lower_ort_cuda (QMoE's CUDA weight layout: seed 003 section 5.1)
-    iree_targets = ("llvm-cpu",)  # C kernels
+    iree_targets = ("llvm-cpu",)  # C kernels; iree:cuda is lower_iree_cuda (moe_cuda.cu)
 
     op_type = "FusedMoE"
 
     def lowerings(self) -> list[Lowering]:
-        return super().lowerings() + [Lowering(self.op_type, "ort", ("cuda",), self.lower_ort_cuda, origin=type(self).__module__)]
+        return super().lowerings() + [Lowering(self.op_type, "ort", ("cuda",), self.lower_ort_cuda, origin=type(self).__module__),
+                                      Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
     # ------------------------------------------------------------ reference
     def reference(self, attrs: dict, hidden, logits, fc1, fc2, s1=None, z1=None, s2=None, z2=None, ids=None,
@@ -241,6 +244,18 @@ class FusedMoE(AbstractOp):
         graph.remove_unused_initializers()  # the FusedMoE layouts, now repacked: do not ship the weights twice
 
     # ----------------------------------------------------------------- IREE
+    def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
+        """The same two dispatches as :meth:`lower_iree`, of rewrite/plugins/moe/kernels/moe_cuda.cu (PTX for
+        ``ctx.cuda_arch``): ``moe_gate_up_<el>`` on (T*k, ceil(I/4)) workgroups of 128 threads, ``moe_down_<el>``
+        on (T, ceil(H/4)); a warp per weight row, the INT4 dequantization inside the dot product, each workgroup
+        routing its token with one warp. The 10 scalars are i32 push constants.
+
+        Raises:
+            BackendError: as :meth:`lower_iree`, and H or I not a multiple of 8, a block size that is not, more
+                than 512 experts (the router's shared-memory stage).
+        """
+        return self._lower_iree(op, ctx, cuda=True)
+
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """Two dispatches of rewrite/plugins/moe/kernels/moe_cpu.c: ``moe_gate_up_swiglu`` on a (T*k, ceil(I/32)) grid
         into an f32 [T*k, I] scratch, then ``moe_down_proj_reduce`` on (T, ceil(H/32)) into [T, H]; each
@@ -251,9 +266,15 @@ class FusedMoE(AbstractOp):
             BackendError: a target other than llvm-cpu, dynamic H/E/I, k outside the kernel's range, an INT4
                 op without all 8 quantization inputs, a routed op without expert ids.
         """
-        if ctx.target != "llvm-cpu":
-            raise BackendError(f"FusedMoE has kernels for llvm-cpu only, not '{ctx.target}'")
-        obj = ctx.object_path(build_cpu_object(kernel_source(__file__, "moe_cpu.c")))
+        return self._lower_iree(op, ctx, cuda=False)
+
+    def _lower_iree(self, op: TorchOperator, ctx: PatchContext, cuda: bool) -> IreeLowering:
+        if ctx.target != ("cuda" if cuda else "llvm-cpu"):
+            raise BackendError(f"FusedMoE lowering for {'cuda' if cuda else 'llvm-cpu'} asked for target '{ctx.target}'")
+        if cuda:
+            obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "moe_cuda.cu"), ctx.cuda_arch))
+        else:
+            obj = ctx.object_path(build_cpu_object(kernel_source(__file__, "moe_cpu.c")))
         tys = list(op.operand_types) + [None] * (11 - len(op.operand_types))
         present = [t is not None and t.element != "none" for t in tys]
         el = tys[0].builtin_element
@@ -269,6 +290,9 @@ class FusedMoE(AbstractOp):
             raise BackendError("FusedMoE with block_size > 0 needs scales and zero points (inputs 4-7) on IREE")
         if None in (H, E, I) or not 1 <= k <= min(64, E):
             raise BackendError(f"FusedMoE: H, E, I must be static and 1 <= k <= min(64, E) (got H={H}, E={E}, I={I}, k={k})")
+        if cuda and (E > CUDA_MAX_E or H % 8 or I % 8 or (bs and bs % 8)):
+            raise BackendError(f"FusedMoE on cuda: H={H}, I={I}, E={E}, block_size={bs}; the kernels take E <= "
+                               f"{CUDA_MAX_E}, H and I multiples of 8 and a block size that is one")
         bias = present[FC1_BIAS] or present[FC2_BIAS]
         if bias and not (present[FC1_BIAS] and present[FC2_BIAS]):
             raise BackendError("FusedMoE on IREE takes both expert biases (inputs 9 and 10) or neither")
@@ -283,8 +307,9 @@ class FusedMoE(AbstractOp):
         # static element counts of the weight bindings (the ids are sized by the token count at run time)
         S = {n: int(np.prod(tys[kk].dims)) if present[kk] and n != "ids" else 1 for n, kk in zip(names, range(2, 11))}
         L = k if routed else E  # columns of input 1: routed weights [T, k] or logits [T, E]
+        rows1, rows2 = (CUDA_GATE_ROWS, CUDA_DOWN_ROWS) if cuda else (ROWS_PER_WORKGROUP, ROWS_PER_WORKGROUP)
         consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cL": L, "%cbs": bs, "%cfl": flags,
-                  "%nb1": -(-I // ROWS_PER_WORKGROUP), "%nb2": -(-H // ROWS_PER_WORKGROUP), "%cal": alpha, "%cbe": beta,
+                  "%nb1": -(-I // rows1), "%nb2": -(-H // rows2), "%cal": alpha, "%cbe": beta,
                   "%cli": limit}
         lines = [f"    {n} = arith.constant {v} : index" for n, v in consts.items()]
         lines += ["    %moe_c0 = arith.constant 0 : index",
@@ -315,20 +340,29 @@ class FusedMoE(AbstractOp):
                 zero = "0" if elements[n] in ("i8", "i64") else "0.0"
                 lines.append(f"    %{n} = arith.constant dense<{zero}> : tensor<1x{elements[n]}>")
         ids_t = "tensor<?xi64>{%tk}" if routed else "tensor<1xi64>"
-        scalars = f"%t, %cH, %cI, %cE, %c{k}k, %cbs, %cfl, %cal, %cbe, %cli"
+        scalar_names = ["%t", "%cH", "%cI", "%cE", f"%c{k}k", "%cbs", "%cfl", "%cal", "%cbe", "%cli"]
+        st = "index"
+        if cuda:  # push constants: 32-bit
+            st = "i32"
+            lines += [f"    {n}_i32 = arith.index_cast {n} : index to i32" for n in scalar_names]
+            scalar_names = [f"{n}_i32" for n in scalar_names]
+        scalars = ", ".join(scalar_names)
         lines.append(
             f"    %act = flow.dispatch @moe_exec::@gate_up[%tk, %nb1](%x, %l, %ids, %fc1, %s1, %z1, %b1, {scalars}) : "
             f"(tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%tl}}, {ids_t}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, "
-            f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, {', '.join(['index'] * 10)}) -> tensor<?xf32>{{%tki}}")
+            f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, {', '.join([st] * 10)}) -> tensor<?xf32>{{%tki}}")
         lines.append(
             f"    %o = flow.dispatch @moe_exec::@down[%t, %nb2](%l, %ids, %act, %fc2, %s2, %z2, %b2, {scalars}) : "
             f"(tensor<?x{el}>{{%tl}}, {ids_t}, tensor<?xf32>{{%tki}}, tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, "
-            f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>, {', '.join(['index'] * 10)}) -> tensor<?x{el}>{{%th}}")
+            f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>, {', '.join([st] * 10)}) -> tensor<?x{el}>{{%th}}")
         lines.append(f"    %o2 = tensor.expand_shape %o [[0, 1]] output_shape [%t, {H}] : tensor<?x{el}> into tensor<?x{H}x{el}>")
         lines.append(f"    %out0 = tensor.cast %o2 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
         name = f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['b1']}"
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
-        return IreeLowering(body=body, module_items={name: _executable(name, obj, el, wel, S, routed)})
+        if cuda:  # a PTX export is named after its kernel
+            body = body.replace(f"@{name}::@gate_up", f"@{name}::@moe_gate_up_{el}").replace(f"@{name}::@down", f"@{name}::@moe_down_{el}")
+        exe = _cuda_executable(name, obj, el) if cuda else _executable(name, obj, el, wel, S, routed)
+        return IreeLowering(body=body, module_items={name: exe})
 
 
 def _f32_bits(v: float) -> int:
@@ -372,6 +406,25 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], route
             f"    }}>\n  }} {{\n" + "\n".join(exports) + "\n    builtin.module {\n" + "\n".join(funcs) + "\n    }\n  }")
 
 
+
+
+def _cuda_executable(name: str, obj: str, el: str) -> str:
+    """The ``hal.executable.source`` declaring the PTX kernels ``moe_gate_up_<el>`` and ``moe_down_<el>``: 8
+    bindings each (7 read, the last written), 10 i32 push constants, workgroups of CUDA_THREADS threads on the
+    grid the dispatch's workload gives (pairs or tokens, row blocks)."""
+    bindings = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * 7 + ["#hal.pipeline.binding<storage_buffer>"])
+    exports = []
+    for ordinal, export in enumerate((f"moe_gate_up_{el}", f"moe_down_{el}")):
+        exports.append(f"""    hal.executable.export public @{export} ordinal({ordinal})
+        layout(#hal.pipeline.layout<constants = 10, bindings = [{bindings}]>)
+        count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      hal.return %gx, %gy, %c1 : index, index, index
+    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>""")
+    src = "\n".join(exports)
+    return (f"  hal.executable.source private @{name} <objects = <{{\n"
+            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
+            f"{src}\n  }}")
 
 
 def _ort_block(bs: int, h: int, i: int, zero_points: bool, cuda: bool = False) -> int:
