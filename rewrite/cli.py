@@ -191,7 +191,7 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the explanations as JSON.")
 @click.option("--freeze-inputs", is_flag=True, help="As for 'apply': inputs with initializer defaults become constants.")
 @click.option("--backend", type=click.Choice(["ort", "iree"]), default=None,
-              help="Run the plugins as 'apply --backend' does (default: each for a backend it rewrites for).")
+              help="Run the plugins as 'apply --backend' does (default: ort, or iree when a plugin rewrites for iree only).")
 def explain_cmd(model, plugin_names, node, dims, show_all, json_path, freeze_inputs, backend) -> None:
     """Why each rule of --plugins did (not) fire on MODEL: best partial match and the reason it stopped."""
     from rewrite.explain import explain

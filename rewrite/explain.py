@@ -139,8 +139,9 @@ def _load(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[Plug
 def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[str] | str | list[Plugin], *, node: str | None = None,
             dims: dict[str, int] | None = None, freeze_inputs: bool = False, backend: str | None = None) -> list[RuleExplanation]:
     """One :class:`RuleExplanation` per rule of each plugin, in plugin order then rule order (on the graph
-    ``apply`` would see: ``freeze_inputs`` as there). Each plugin runs as ``apply --backend backend`` runs it
-    (not at all for a backend it does not rewrite for); by default, for a backend it rewrites for.
+    ``apply`` would see: ``freeze_inputs`` as there). The plugins run as ``apply --backend backend`` runs them
+    (a plugin not at all for a backend it does not rewrite for); by default for ort, or for iree when some
+    selected plugin rewrites for iree only.
 
     Plugins run in memory in the order given (each sees its predecessors' output). A rule that did not fire
     is explained by its best attempt on the graph its plugin was given or on the graph the plugin left (where
@@ -152,10 +153,11 @@ def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[st
     """
     selected = plugins if plugins and isinstance(plugins, list) and isinstance(plugins[0], Plugin) else select_plugins(plugins)
     graph = _load(onnx_io.to_model(model) if isinstance(model, Graph) else model, selected, dims, freeze_inputs)
+    # by default one backend every plugin rewrites for, as a single `apply` would run them all
+    be = backend or next((b for b in ("ort", "iree") if all(b in p.backends for p in selected)), "ort")
+    ctx = RewriteContext(backend=be, dims=dict(dims or {}))
     out: list[RuleExplanation] = []
     for p in selected:
-        be = backend or ("ort" if "ort" in p.backends else p.backends[0])
-        ctx = RewriteContext(backend=be, dims=dict(dims or {}))
         before = [explain_rule(graph, r, p.short, node) for r in p.rules]
         report = run_plugin(graph, p, ctx)
         graph.remove_unused_initializers()

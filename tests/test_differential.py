@@ -195,8 +195,8 @@ def _moe_model(attrs: dict, hidden: np.ndarray, scores: np.ndarray, weights: lis
 def moe_samples(draw, iree: bool = False):
     """(attrs, hidden, scores, weights in contract order from fc1): float or block-wise INT4 experts with and
     without zero points (absent: 8), partial last blocks, every mode, renormalized or not, biases, gpt-oss's
-    clamped SwiGLU, T = 0 (an empty batch) to 5 tokens. ``iree``: only what the IREE kernels take (INT4 with
-    zero points, both biases or neither)."""
+    clamped SwiGLU, T = 0 (an empty batch) to 5 tokens. ``iree``: only what the IREE kernels take (INT4, both
+    biases or neither)."""
     from rewrite.plugins.moe.lowering import pack_int4
 
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
@@ -213,7 +213,7 @@ def moe_samples(draw, iree: bool = False):
     if quant:
         bs = draw(st.sampled_from([16, 32, 64]))
         attrs["block_size"] = bs
-        zp = True if iree else draw(st.booleans())
+        zp = draw(st.booleans())
         fc1 = pack_int4(rng.integers(0, 16, (e, 2 * i, h)))
         fc2 = pack_int4(rng.integers(0, 16, (e, h, i)))
         s1 = (rng.uniform(0.5, 1.5, (e, 2 * i, -(-h // bs))) * 0.05).astype(dtype)
@@ -383,6 +383,22 @@ def test_fused_moe_cuda_lowering_takes_the_forms_the_cuda_kernels_compute_right(
     assert np.abs(got.astype(np.float64) - want.astype(np.float64)).max() <= tol * max(1.0, float(np.abs(want).max()))
 
 
+def test_cuda_qmoe_leaves_normalize_0_to_the_kernel():
+    """Qwen1.5-MoE's normalize=0: the CPU lowering passes softmax(logits) as router_weights (ORT's CPU QMoE
+    renormalizes otherwise); the CUDA kernel honours normalize_routing_weights=0 (measured on the H200 by
+    examples/gpu_check.py, sample int4-asym-qwen15) and ignores router_weights, so none is made."""
+    from rewrite.plugins.moe.lowering import FusedMoE
+
+    attrs, hidden, scores, weights = _int4_sample("softmax_topk", 256, 128, 64, True)
+    attrs["normalize"] = 0
+    g = onnx_io.load(_moe_model(attrs, hidden, scores, weights))
+    FusedMoE().lower_ort_cuda(g, g.nodes_by_op("FusedMoE", DOMAIN)[0])
+    m = onnx_io.to_model(g)
+    (q,) = [n for n in m.graph.node if n.op_type == "QMoE"]
+    assert {a.name: helper.get_attribute_value(a) for a in q.attribute}["normalize_routing_weights"] == 0
+    assert len(q.input) <= 14 and not [n for n in m.graph.node if n.op_type == "Softmax"]
+
+
 def _cuda_device() -> bool:
     try:
         import iree.runtime as rt
@@ -413,6 +429,12 @@ def test_fused_moe_compiles_for_iree_cuda_with_the_plugins_kernels(tmp_path, mod
         want = _moe_reference(a, x, s, w).astype(np.float64)
         got = runner.run({"hidden": x, "scores": s})["y"].astype(np.float64)
         assert np.abs(got - want).max() <= (1e-4 if dtype == np.float32 else 1e-2) * max(1.0, float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("mode", ["softmax_topk", "routed"])
+def test_symmetric_int4_fused_moe_on_iree_equals_the_reference(tmp_path, mode):
+    """INT4 experts without zero points (8, ORT QMoE's symmetric convention) lower for IREE too."""
+    _check_moe(_int4_sample(mode, 64, 32, 32, False, np.float32), "iree", tmp_path)
 
 
 def test_fused_moe_shapes_the_cuda_kernels_do_not_take_are_refused_with_the_reason(tmp_path):

@@ -100,8 +100,10 @@ def drop_contradicted_claims(graph: Graph) -> list[str]:
         if not any(isinstance(d, int) for v in claims.values() for d in v.shape):
             continue
         in_types = {i: type_of(i) for i in node.inputs if i}
-        symbols = {d for i in in_types for d in (graph.values[i].shape or ()) if isinstance(d, str)}
-        if not symbols or any(t is None for t in in_types.values()):
+        if any(t is None for t in in_types.values()):
+            continue
+        symbols = {d for i in in_types for d in graph.values[i].shape if isinstance(d, str)}
+        if not symbols:
             continue
         proto = helper.make_node(node.op_type, node.inputs, node.outputs, domain=node.domain)
         proto.attribute.extend(node.attrs.values())

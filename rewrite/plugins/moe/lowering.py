@@ -264,7 +264,7 @@ class FusedMoE(AbstractOp):
 
         Raises:
             BackendError: a target other than llvm-cpu, dynamic H/E/I, k outside the kernel's range, an INT4
-                op without all 8 quantization inputs, a routed op without expert ids.
+                op without both scales or with one zero point of two, a routed op without expert ids.
         """
         return self._lower_iree(op, ctx, cuda=False)
 
@@ -286,8 +286,9 @@ class FusedMoE(AbstractOp):
         E = tys[2].dims[0]
         if routed and not present[IDS]:
             raise BackendError("FusedMoE mode 'routed' needs its expert ids (input 8)")
-        if bs and not all(present[4:8]):
-            raise BackendError("FusedMoE with block_size > 0 needs scales and zero points (inputs 4-7) on IREE")
+        if bs and not (present[4] and present[6] and present[5] == present[7]):
+            raise BackendError("FusedMoE with block_size > 0 needs both scales (inputs 4, 6) and both zero points "
+                               "(5, 7) or neither on IREE")
         if None in (H, E, I) or not 1 <= k <= min(64, E):
             raise BackendError(f"FusedMoE: H, E, I must be static and 1 <= k <= min(64, E) (got H={H}, E={E}, I={I}, k={k})")
         if cuda and (E > CUDA_MAX_E or H % 8 or I % 8 or (bs and bs % 8)):
@@ -299,7 +300,7 @@ class FusedMoE(AbstractOp):
         flags = (_FLAG["f16"] if el == "f16" else 0) | (_FLAG["int4"] if bs else 0)
         flags |= _FLAG["normalize"] if int(op.attrs.get("normalize", 0)) else 0
         flags |= _FLAG["topk_softmax"] if mode == "topk_softmax" else 0
-        flags |= (_FLAG["zero_points"] if bs else 0) | (_FLAG["routed"] if routed else 0) | (_FLAG["bias"] if bias else 0)
+        flags |= (_FLAG["zero_points"] if bs and present[5] else 0) | (_FLAG["routed"] if routed else 0) | (_FLAG["bias"] if bias else 0)
         alpha, beta, limit = (_f32_bits(v) for v in activation_params(op.attrs))
         wel = "i8" if bs else el
         names = ("fc1", "fc2", "s1", "z1", "s2", "z2", "ids", "b1", "b2")
