@@ -175,54 +175,6 @@ __device__ float row_dot(const void* __restrict__ w, const T* __restrict__ s, co
   return warp_sum(acc);
 }
 
-// R rows at once, INT4 with Kd and bs multiples of 32: row r is row rows[r] of a [*, N, Kd] weight dotted with
-// vs[r] (skipped when !on[r]). Each lane issues the 16-byte loads of all R rows (codes, scale, zero point)
-// before it computes any, so R times U (the unrolled iterations) loads per lane are in flight: decode is bound
-// by how many bytes are in flight, not by arithmetic. out[r] is the full sum on every lane.
-template <int R, int U, typename T, typename V>
-__device__ void rows_dot_q4(const void* __restrict__ w, const T* __restrict__ s, const uint8_t* __restrict__ z,
-                            const long long* rows, const bool* on, const V* const* vs, int Kd, int bs, int flags,
-                            float* out) {
-  int lane = threadIdx.x & 31, nb = Kd / bs, nq = Kd / 32;
-  bool zps = flags & ZERO_POINTS;
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-#pragma unroll U
-  for (int q = lane; q < nq; q += 32) {
-    uint4 wv[R];
-    float sc[R], zp[R];
-    int b = (32 * q) / bs;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (!on[r]) continue;
-      wv[r] = __ldg((const uint4*)((const uint8_t*)w + rows[r] * (Kd / 2)) + q);
-      sc[r] = ld(s, rows[r] * nb + b);
-      zp[r] = zps ? (float)__ldg(z + rows[r] * nb + b) : 8.f;
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (!on[r]) continue;
-      const uint32_t words[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
-      float dot = 0.f, sum = 0.f, xs[8];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        load8(vs[r], 32 * q + 8 * m, xs);
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          dot += (float)((words[m] >> (4 * n)) & 15u) * xs[n];
-          sum += xs[n];
-        }
-      }
-      acc[r] += sc[r] * (dot - zp[r] * sum);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
-}
-
-__device__ __forceinline__ bool fast_q4(int flags, int Kd, int bs) { return (flags & INT4) && Kd % 32 == 0 && bs % 32 == 0; }
-
 template <typename T>
 __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, const long long* __restrict__ given,
                         const void* __restrict__ w1, const T* __restrict__ s1, const uint8_t* __restrict__ z1,
@@ -239,17 +191,8 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
   for (int r = blockIdx.y * GATE_ROWS + warp; r < min(I, (int)(blockIdx.y + 1) * GATE_ROWS); r += WARPS) {
     float out = 0.f;
     if (e >= 0) {
-      float gu[2];
-      if (fast_q4(flags, H, bs)) {  // gate and up rows loaded together
-        const long long rows[2] = {e * 2 * I + r, e * 2 * I + I + r};
-        const bool on[2] = {true, true};
-        const T* vs[2] = {xv, xv};
-        rows_dot_q4<2, 2>(w1, s1, z1, rows, on, vs, H, bs, flags, gu);
-      } else {
-        gu[0] = row_dot(w1, s1, z1, e * 2 * I + r, H, bs, flags, xv);
-        gu[1] = row_dot(w1, s1, z1, e * 2 * I + I + r, H, bs, flags, xv);
-      }
-      float g = gu[0], u = gu[1];
+      float g = row_dot(w1, s1, z1, e * 2 * I + r, H, bs, flags, xv);
+      float u = row_dot(w1, s1, z1, e * 2 * I + I + r, H, bs, flags, xv);
       if (flags & BIAS) {
         g += ld(b1, e * 2 * I + r);
         u += ld(b1, e * 2 * I + I + r);
@@ -264,8 +207,6 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
   }
 }
 
-#define DOWN_BATCH 4  // experts whose rows one warp reads together in moe_down
-
 template <typename T>
 __device__ void down(const T* __restrict__ logits, const long long* __restrict__ given, const float* __restrict__ act,
                      const void* __restrict__ w2, const T* __restrict__ s2, const uint8_t* __restrict__ z2,
@@ -275,34 +216,14 @@ __device__ void down(const T* __restrict__ logits, const long long* __restrict__
   int t = blockIdx.x;
   route(logits, given, t, E, K, flags, ids, w, scratch);
   int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  bool fast = fast_q4(flags, I, bs);
   for (int r = blockIdx.y * DOWN_ROWS + warp; r < min(H, (int)(blockIdx.y + 1) * DOWN_ROWS); r += WARPS) {
     float acc = 0.f;
-    for (int j0 = 0; j0 < K; j0 += fast ? DOWN_BATCH : 1) {
-      if (fast) {  // up to DOWN_BATCH experts' rows in flight at once
-        long long rows[DOWN_BATCH];
-        bool on[DOWN_BATCH];
-        const float* vs[DOWN_BATCH];
-        float d[DOWN_BATCH];
-#pragma unroll
-        for (int q = 0; q < DOWN_BATCH; ++q) {
-          int j = j0 + q;
-          long long e = j < K ? ids[j] : -1;
-          on[q] = e >= 0;
-          rows[q] = on[q] ? e * H + r : 0;
-          vs[q] = act + ((long long)t * K + (j < K ? j : 0)) * I;
-        }
-        rows_dot_q4<DOWN_BATCH, 2>(w2, s2, z2, rows, on, vs, I, bs, flags, d);
-#pragma unroll
-        for (int q = 0; q < DOWN_BATCH; ++q)
-          if (on[q]) acc += w[j0 + q] * (d[q] + ((flags & BIAS) ? ld(b2, rows[q]) : 0.f));
-      } else {
-        long long e = ids[j0];
-        if (e < 0) continue;
-        float d = row_dot(w2, s2, z2, e * H + r, I, bs, flags, act + ((long long)t * K + j0) * I);
-        if (flags & BIAS) d += ld(b2, e * H + r);
-        acc += w[j0] * d;
-      }
+    for (int j = 0; j < K; ++j) {
+      long long e = ids[j];
+      if (e < 0) continue;
+      float d = row_dot(w2, s2, z2, e * H + r, I, bs, flags, act + ((long long)t * K + j) * I);
+      if (flags & BIAS) d += ld(b2, e * H + r);
+      acc += w[j] * d;
     }
     if (lane == 0) st(out, (long long)t * H + r, acc);
   }
