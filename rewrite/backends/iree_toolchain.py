@@ -141,6 +141,10 @@ def import_onnx(
         ]
     if opset_version is not None:
         cmd += ["--opset-version", str(opset_version)]
+    elif params_path is not None and _has_external_data(onnx_path):
+        # the importer's large-model path: shape inference from the file, external data never loaded whole
+        # (the in-memory path serializes the whole model and fails past protobuf's 2 GB)
+        cmd += ["--large-model"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not mlir_path.exists():
         raise IreeImportError(
@@ -151,6 +155,13 @@ def import_onnx(
     except ValueError as e:
         raise IreeImportError(f"IREE ONNX import of {onnx_path}: {e}") from None
     return ImportResult(mlir_path, params_path, entry, proc.stderr)
+
+
+def _has_external_data(onnx_path: Path) -> bool:
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
 def entry_function_name(mlir_text: str) -> str:
