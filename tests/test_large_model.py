@@ -1,13 +1,15 @@
 """A model past protobuf's 2 GB: one 2.2 GB initializer in external data, written without ever holding a
-serialized proto. Both backends lower it and compute x @ W (IREE's importer takes its large-model path: before,
-it serialized the whole model and failed with EncodeError)."""
+serialized proto, and an 8-element bias stored there too. Both backends lower it and compute x @ W and
+(x @ W)[:, :8] + B (IREE's importer takes its large-model path: before, it serialized the whole model and failed
+with EncodeError; on that path it reads no external data for the small constants it inlines, so the saved model
+holds small tensors inline)."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from rewrite.backends import load_runner
 from rewrite.pipeline import apply
@@ -24,13 +26,24 @@ def big_model(tmp_path_factory):
     w[N - 1, M - 1] = -2.0
     w.flush()
     del w
-    t = onnx.TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[N, M], data_location=TensorProto.EXTERNAL)
-    for k, v in (("location", "big.onnx.data"), ("offset", "0"), ("length", str(N * M * 4))):
-        e = t.external_data.add()
-        e.key, e.value = k, v
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, N])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, M])], [t])
+    with open(d / "big.onnx.data", "ab") as f:
+        f.write(np.arange(8, dtype=np.float32).tobytes())
+
+    def external(name: str, dims: list[int], offset: int, length: int) -> onnx.TensorProto:
+        t = onnx.TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims, data_location=TensorProto.EXTERNAL)
+        for k, v in (("location", "big.onnx.data"), ("offset", str(offset)), ("length", str(length))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        return t
+
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm"),
+             helper.make_node("Slice", ["y", "s0", "s8", "ax1"], ["y8"], name="first8"),
+             helper.make_node("Add", ["y8", "B"], ["z"], name="bias")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, N])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, M]),
+                           helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 8])],
+                          [external("W", [N, M], 0, N * M * 4), external("B", [8], N * M * 4, 32),
+                           *(numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (("s0", 0), ("s8", 8), ("ax1", 1)))])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
     m.ir_version = 10
     onnx.save(m, d / "big.onnx")
@@ -46,5 +59,6 @@ def test_a_model_over_2gb_lowers_and_runs(big_model, tmp_path, backend):
     want = np.full((1, M), 0.5, np.float32)
     want[0, :5] += 2.0 * np.arange(5)
     want[0, M - 1] -= 2.0
-    got = load_runner(tmp_path / "out").run({"x": x})["y"]
-    np.testing.assert_array_equal(got, want)
+    got = load_runner(tmp_path / "out").run({"x": x})
+    np.testing.assert_array_equal(got["y"], want)
+    np.testing.assert_array_equal(got["z"], want[:, :8] + np.arange(8, dtype=np.float32))

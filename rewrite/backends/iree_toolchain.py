@@ -139,13 +139,21 @@ def import_onnx(
             "--params-scope", PARAMS_SCOPE,
             "--save-params-to", str(params_path),
         ]
+    inlined = None
     if opset_version is not None:
         cmd += ["--opset-version", str(opset_version)]
     elif params_path is not None and _has_external_data(onnx_path):
         # the importer's large-model path: shape inference from the file, external data never loaded whole
-        # (the in-memory path serializes the whole model and fails past protobuf's 2 GB)
+        # (the in-memory path serializes the whole model and fails past protobuf's 2 GB). On it the importer
+        # reads no external data for the small constants it inlines, so those go inline in a copy first.
+        inlined = _with_small_tensors_inline(onnx_path, param_threshold_elements)
+        cmd[3] = str(inlined)
         cmd += ["--large-model"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        if inlined is not None:
+            inlined.unlink(missing_ok=True)
     if proc.returncode != 0 or not mlir_path.exists():
         raise IreeImportError(
             f"IREE ONNX import of {onnx_path} failed: {_failure_summary(proc.returncode, proc.stderr)}"
@@ -162,6 +170,23 @@ def _has_external_data(onnx_path: Path) -> bool:
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def _with_small_tensors_inline(onnx_path: Path, max_elements: int) -> Path:
+    """A copy of ``onnx_path`` beside it whose external initializers of fewer than ``max_elements`` elements
+    (those the importer inlines as constants) hold their data; the others keep referring to the same files."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) < max_elements:
+            load_external_data_for_tensor(t, str(onnx_path.parent))
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+    path = onnx_path.with_name(onnx_path.stem + ".large-import.onnx")
+    onnx.save(model, str(path))
+    return path
 
 
 def entry_function_name(mlir_text: str) -> str:
