@@ -86,7 +86,8 @@ def activation_params(attrs: dict) -> tuple[float, float, float]:
 
 
 class FusedMoE(AbstractOp):
-    """The contract in the module docstring; ORT lowering to com.microsoft MoE / QMoE, IREE to two C kernels."""
+    """The contract in the module docstring; ORT lowering to com.microsoft MoE / QMoE (CPU and CUDA forms), IREE
+    to two kernels (C for llvm-cpu, CUDA for cuda)."""
 
     ort_targets = ("cpu",)  # lower_ort; ort:cuda is lower_ort_cuda (QMoE's CUDA weight layout: seed 003 section 5.1)
     iree_targets = ("llvm-cpu",)  # C kernels; iree:cuda is lower_iree_cuda (moe_cuda.cu)
