@@ -445,3 +445,21 @@ def test_fused_moe_shapes_the_cuda_kernels_do_not_take_are_refused_with_the_reas
     onnx.save(_moe_model(attrs, hidden, scores, weights), path)
     with pytest.raises(RewriteError, match=r"FusedMoE on cuda: H=252, I=128, E=8, block_size=36; the kernels take"):
         apply(path, tmp_path / "out", backend="iree", target="cuda")
+
+
+def test_the_kernels_and_their_lowering_agree_on_the_grid_constants():
+    """The workgroup shapes the lowerings dispatch are the ones the kernel sources compute with."""
+    import re
+    from pathlib import Path
+
+    from rewrite.plugins.moe import lowering
+
+    kernels = Path(lowering.__file__).parent / "kernels"
+
+    def defines(name: str) -> dict[str, int]:
+        return {k: int(v) for k, v in re.findall(r"^#define (\w+) (\d+)", (kernels / name).read_text(), re.M)}
+
+    cpu, cuda = defines("moe_cpu.c"), defines("moe_cuda.cu")
+    assert cpu["ROWS"] == lowering.ROWS_PER_WORKGROUP
+    assert (cuda["GATE_ROWS"], cuda["DOWN_ROWS"], cuda["THREADS"], cuda["MAX_E"]) == (
+        lowering.CUDA_GATE_ROWS, lowering.CUDA_DOWN_ROWS, lowering.CUDA_THREADS, lowering.CUDA_MAX_E)

@@ -48,3 +48,16 @@ def test_a_wheel_holds_the_kernels_and_lowers_topk_for_iree_without_the_repo(tmp
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "[[7, 6], [7, 6]]"
+
+
+def test_every_shipped_ptx_was_built_from_its_source():
+    """A machine without nvcc uses the PTX shipped beside a kernel only when its digest matches the source: an
+    edit to a .cu without a rebuilt PTX would stop every iree:cuda lowering there."""
+    from rewrite.core.kernels import DEFAULT_CUDA_ARCH, NVCC_FLAGS, PTX_HEADER, _digest
+
+    sources = sorted((ROOT / "rewrite").rglob("kernels/*.cu"))
+    assert sources
+    for cu in sources:
+        shipped = cu.with_name(f"{cu.stem}.{DEFAULT_CUDA_ARCH}.ptx")
+        digest = _digest(cu, (*NVCC_FLAGS, f"-arch={DEFAULT_CUDA_ARCH}"))
+        assert shipped.read_text().split("\n", 1)[0] == PTX_HEADER + digest, f"rebuild {shipped.name} (ship_cuda_ptx)"

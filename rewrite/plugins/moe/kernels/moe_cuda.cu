@@ -32,7 +32,7 @@
 #define MAX_K 64
 #define GATE_ROWS 4    // rows of I per gate_up workgroup, one per warp (CUDA_GATE_ROWS in lowering.py)
 #define DOWN_ROWS 4    // rows of H per down workgroup (CUDA_DOWN_ROWS in lowering.py)
-#define THREADS 128    // 4 warps per workgroup (THREADS_CUDA in lowering.py)
+#define THREADS 128    // 4 warps per workgroup (CUDA_THREADS in lowering.py)
 #define WARPS (THREADS / 32)
 #define MAX_E 512      // largest expert count: the router's logits, f32 in shared memory
 
