@@ -142,13 +142,15 @@ def import_onnx(
     inlined = None
     if opset_version is not None:
         cmd += ["--opset-version", str(opset_version)]
-    elif params_path is not None and _has_external_data(onnx_path):
-        # the importer's large-model path: shape inference from the file, external data never loaded whole
-        # (the in-memory path serializes the whole model and fails past protobuf's 2 GB). On it the importer
-        # reads no external data for the small constants it inlines, so those go inline in a copy first.
-        inlined = _with_small_tensors_inline(onnx_path, param_threshold_elements)
-        cmd[3] = str(inlined)
-        cmd += ["--large-model"]
+    elif params_path is not None:
+        # a model with external data takes the importer's large-model path: shape inference from the file,
+        # external data never loaded whole (the in-memory path serializes the whole model and fails past
+        # protobuf's 2 GB). On it the importer reads no external data for the small constants it inlines, so
+        # those go inline in a copy first.
+        inlined = _large_model_copy(onnx_path, param_threshold_elements)
+        if inlined is not None:
+            cmd[3] = str(inlined)
+            cmd += ["--large-model"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     finally:
@@ -165,20 +167,16 @@ def import_onnx(
     return ImportResult(mlir_path, params_path, entry, proc.stderr)
 
 
-def _has_external_data(onnx_path: Path) -> bool:
-    import onnx
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
-
-
-def _with_small_tensors_inline(onnx_path: Path, max_elements: int) -> Path:
-    """A copy of ``onnx_path`` beside it whose external initializers of fewer than ``max_elements`` elements
-    (those the importer inlines as constants) hold their data; the others keep referring to the same files."""
+def _large_model_copy(onnx_path: Path, max_elements: int) -> Path | None:
+    """None when ``onnx_path`` has no external data; else a copy beside it whose external initializers of fewer
+    than ``max_elements`` elements (those the importer inlines as constants) hold their data, the others still
+    referring to the same files."""
     import onnx
     from onnx.external_data_helper import load_external_data_for_tensor
 
     model = onnx.load(str(onnx_path), load_external_data=False)
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        return None
     for t in model.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) < max_elements:
             load_external_data_for_tensor(t, str(onnx_path.parent))

@@ -109,8 +109,8 @@ def drop_contradicted_claims(graph: Graph) -> list[str]:
         proto.attribute.extend(node.attrs.values())
         try:
             schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
-            data = {i: numpy_helper.from_array(c, i) for i in in_types
-                    if (c := graph.const(i)) is not None and c.size <= 64}  # axes, shapes, pads
+            data = {i: numpy_helper.from_array(c, i) for i in in_types  # axes, shapes, pads: small constants
+                    if _small(graph.values[i].shape) and (c := graph.const(i)) is not None}
             inferred = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
         except Exception:  # noqa: BLE001 - an op onnx cannot infer here confirms nothing
             continue
@@ -126,6 +126,16 @@ def drop_contradicted_claims(graph: Graph) -> list[str]:
                 types[name] = helper.make_tensor_type_proto(v.dtype, list(fixed))
                 changed.append(name)
     return changed
+
+
+def _small(shape: tuple, limit: int = 64) -> bool:
+    """A static shape of at most ``limit`` elements (decided before reading any data: weights stay on disk)."""
+    n = 1
+    for d in shape:
+        if not isinstance(d, int):
+            return False
+        n *= d
+    return n <= limit
 
 
 MAX_ROUNDS = 6  #: inference / partial-evaluation rounds before giving up on further refinement
