@@ -9,14 +9,22 @@ The export (`export_hf`) uses transformers' own ONNX exporter with dynamic seque
 both the prefill (past length 0) and every decode step. `greedy_decode` drives such a graph through any
 ``run(feeds) -> outputs`` callable (ONNX Runtime, an IREE module, ...) with numpy arrays only.
 
+The full-size models (`export_seeded`) are built on the meta device and get their weights from a seeded generator
+(`seeded_weights`), written straight into the external data file, so they export on a machine with less memory than
+their weights; another machine regenerates the same bytes from the weightless ``model.onnx``.
+
 CLI::
 
     python examples/qwen_moe.py --arch qwen2_moe --size tiny --dtype fp32 --out out/qwen2_moe_tiny
+    python examples/qwen_moe.py --arch qwen2_moe --size full --dtype fp16 --out out/qwen2_moe_full   # 28.6 GB, ~6 min
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ import numpy as np
 import onnx
 import onnx_ir
 import torch
+import seeded_weights
 import transformers
 from transformers.exporters.exporter_onnx import OnnxConfig, OnnxExporter
 
@@ -81,6 +90,7 @@ _CONFIGS: dict[tuple[str, str], dict] = {
 ROUTER_STD = 0.5
 # Above this many bytes of weights `export_hf` writes them to `model.onnx.data` (protobuf files stop at 2 GiB).
 _INLINE_WEIGHTS_LIMIT = 1 << 30
+_INLINE_SEEDED_LIMIT = 1 << 20  # bytes: a constant the exporter made, kept inside model.onnx
 _KV_NAME = re.compile(r"layers\.(\d+)\.(keys|values)$")
 
 
@@ -134,22 +144,23 @@ def build_model(
     return model.to(dtype).eval()
 
 
-def _decode_sample(model: transformers.PreTrainedModel, past_len: int, seq_len: int) -> dict:
+def _decode_sample(model: transformers.PreTrainedModel, past_len: int, seq_len: int, *, prefill: bool = True) -> dict:
     """Forward kwargs of one decode step: ``seq_len`` new tokens after ``past_len`` cached ones (random token ids).
 
     The cache comes from a real prefill of ``past_len`` tokens, so it has whatever layout the architecture uses
     (per-layer keys and values, DeepSeek's latent attention, hybrid models' convolution and recurrent states).
-    A meta-device model (no weights to run) gets a DynamicCache of random keys and values instead.
+    A meta-device model (no weights to run), or ``prefill=False`` (a full-size model on CPU, where the prefill would
+    read every weight), gets a DynamicCache of per-layer keys and values (zeros) instead.
     """
     config = model.config
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (1, past_len + seq_len), generator=generator).to(model.device)
-    if model.device.type == "meta":
+    if model.device.type == "meta" or not prefill:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_shape = (1, config.num_key_value_heads, past_len, head_dim)
         cache = transformers.DynamicCache(config=config)
         for layer in range(config.num_hidden_layers):
-            cache.update(*(torch.empty(kv_shape, device="meta", dtype=model.dtype) for _ in range(2)), layer)
+            cache.update(*(torch.zeros(kv_shape, device=model.device, dtype=model.dtype) for _ in range(2)), layer)
     else:
         with torch.no_grad():
             cache = model(input_ids=ids[:, :past_len], use_cache=True).past_key_values
@@ -207,6 +218,136 @@ def export_hf(model: transformers.PreTrainedModel, out_dir: str | Path, *, past_
     external = f"{path.name}.data" if weight_bytes > _INLINE_WEIGHTS_LIMIT else None
     onnx_ir.save(program, str(path), external_data=external)
     return path
+
+
+_TORCH_ELEM_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+                     torch.bfloat16: onnx.TensorProto.BFLOAT16}
+
+
+def export_seeded(arch: str, size: str, dtype: torch.dtype, out_dir: str | Path, *, seed: int = 0,
+                  past_len: int = 5, seq_len: int = 2, threads: int | None = None) -> Path:
+    """`export_hf` for a model of any size: weights from `seeded_weights`, written straight into the external data.
+
+    The model is built on the meta device (no weight in memory); every parameter's bytes are generated into
+    ``out_dir/model.onnx.data`` (`seeded_weights.write`, keyed by (``seed``, parameter name)), and the parameters
+    become views of that file, memory-mapped. transformers' `OnnxExporter` then exports the graph exactly as
+    `export_hf` does (``OnnxConfig(dynamic=True)``, the onnxscript optimizer included). Every initializer that is a
+    parameter unchanged is written as an external-data reference to its bytes in that file, so the data is written
+    once (28.6 GB for the fp16 Qwen1.5-MoE-A2.7B) and never copied; `seeded_weights.regenerate` rebuilds the same
+    file from ``model.onnx`` on another machine. The sample cache is zeros instead of a prefill (which would read
+    every weight), so the export needs little more memory than the graph.
+
+    Args:
+        arch, size: as `build_model`; ``size="full"`` is the real configuration.
+        dtype: ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``.
+        seed: weight seed (not the same weights as `build_model` with this seed: those come from torch's generator).
+
+    Returns:
+        The path of ``model.onnx``.
+
+    Raises:
+        ValueError: the exporter wrote an initializer that is neither a parameter unchanged nor small (its bytes
+            could not be regenerated from the seed), or a parameter or buffer stayed on the meta device.
+    """
+    if dtype not in _TORCH_ELEM_TYPES:
+        raise ValueError(f"dtype {dtype} is not generated; valid: {', '.join(map(str, _TORCH_ELEM_TYPES))}")
+    model = build_model(arch, size, dtype, seed, device="meta")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path, data = out_dir / "model.onnx", out_dir / "model.onnx.data"
+    params = list(model.named_parameters())
+    slots = seeded_weights.layout((name, p.shape, _TORCH_ELEM_TYPES[p.dtype]) for name, p in params)
+    if data.exists():
+        data.unlink()
+    nbytes = seeded_weights.write(data, slots, seed, threads=threads)
+    storage = torch.from_file(str(data), shared=True, size=nbytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for slot, (name, param) in zip(slots, params):
+            owner, _, attr = name.rpartition(".")
+            view = storage[slot.offset:slot.offset + slot.length].view(param.dtype).view(param.shape)
+            setattr(model.get_submodule(owner), attr, torch.nn.Parameter(view, requires_grad=False))
+        for name, module in list(model.named_modules()):
+            if any(b.is_meta for b in module.buffers(recurse=False)):  # the rotary embedding's inv_freq
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, type(module)(config=model.config).to(dtype))
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"still on the meta device after loading the seeded weights: {left[:5]}")
+
+    sample = _decode_sample(model, past_len, seq_len, prefill=False)
+    program = OnnxExporter().export(model, sample, OnnxConfig(dynamic=True)).program
+    by_ptr = {storage.data_ptr() + s.offset: s for s in slots}
+    derived: dict[str, tuple[str, tuple[int, ...]]] = {}
+    end = nbytes
+    for name, value in program.graph.initializers.items():
+        tensor = value.const_value
+        raw = getattr(tensor, "raw", None)
+        slot = by_ptr.get(raw.data_ptr()) if isinstance(raw, torch.Tensor) else None
+        if slot is not None and raw.is_contiguous() and raw.numel() * raw.element_size() == slot.length:
+            if name != slot.name:
+                raise ValueError(f"initializer '{name}' holds parameter '{slot.name}': regenerating it by name "
+                                 f"would give other values")
+            offset, length = slot.offset, slot.length
+        elif tensor is not None and tensor.nbytes > _INLINE_SEEDED_LIMIT:
+            # a constant the exporter made from a parameter (a copy, or a transpose its optimizer folded): appended to the
+            # data file, and recorded as (parameter, permutation) so that `seeded_weights.regenerate` rebuilds it
+            array = tensor.numpy()
+            source = _find_transpose(array, model, slots)
+            if source is None:
+                raise ValueError(f"initializer '{name}' ({tensor.nbytes} bytes) is neither a parameter nor a "
+                                 f"transposed parameter; its bytes could not be regenerated from the seed")
+            derived[name] = source
+            length = array.nbytes
+            if source[1] == tuple(range(array.ndim)):  # a copy: the parameter's own bytes
+                offset = next(s.offset for s in slots if s.name == source[0])
+            else:
+                offset = end
+                with open(data, "r+b") as f:
+                    f.seek(offset)
+                    f.write(array.tobytes())
+                end = offset + length + (-length) % seeded_weights.ALIGN
+        else:
+            continue
+        value.const_value = onnx_ir.ExternalTensor(data.name, offset, length, tensor.dtype, shape=tensor.shape,
+                                                   name=name, base_dir=str(out_dir))
+    used_ranges = {(v.const_value.offset, v.const_value.length) for v in program.graph.initializers.values()
+                   if isinstance(v.const_value, onnx_ir.ExternalTensor)}
+    seeded_weights.zero_ranges(data, [(s.offset, s.length) for s in slots if (s.offset, s.length) not in used_ranges])
+    used = max((offset + length for offset, length in used_ranges), default=0)
+    program.metadata_props[seeded_weights.METADATA_KEY] = seeded_weights.metadata(seed, derived)
+    onnx.save(onnx_ir.serde.serialize_model(program), str(path))
+    del program, model, params, sample, storage, by_ptr
+    gc.collect()  # no view of the memory map may outlive the truncation (SIGBUS)
+    os.truncate(data, used + (-used) % seeded_weights.ALIGN)  # as long as `regenerate` makes it
+    return path
+
+
+def _find_transpose(array: np.ndarray, model: torch.nn.Module,
+                    slots: Sequence[seeded_weights.TensorSlot]) -> tuple[str, tuple[int, ...]] | None:
+    """(parameter name, perm) such that ``array == parameter.permute(perm)`` (the identity for a copy), or None."""
+    import itertools
+
+    params = dict(model.named_parameters())
+    unsigned = {2: (np.uint16, torch.uint16), 4: (np.uint32, torch.uint32)}  # bit patterns: bfloat16 has no numpy type
+    if array.dtype.itemsize not in unsigned:
+        return None
+    np_bits, torch_bits = unsigned[array.dtype.itemsize]
+    array = array.view(np_bits)
+    for slot in slots:
+        if math.prod(slot.shape) != array.size or len(slot.shape) != array.ndim:
+            continue
+        param = params[slot.name].detach()
+        if param.element_size() != array.dtype.itemsize:
+            continue
+        source = param.view(torch_bits).numpy()
+        for perm in itertools.permutations(range(array.ndim)):
+            if tuple(slot.shape[i] for i in perm) != array.shape:
+                continue
+            view = source.transpose(perm)
+            first_row = (0,) * (array.ndim - 1)  # a cheap test before the whole comparison (no copy of the view)
+            if np.array_equal(view[first_row][:64], array[first_row][:64]) and np.array_equal(view, array):
+                return slot.name, perm
+    return None
 
 
 class _DecodeStep(torch.nn.Module):
@@ -439,7 +580,7 @@ def check_export(model: transformers.PreTrainedModel, onnx_path: str | Path, *, 
                 tokens_torch=tokens_torch, tokens_ort=tokens_ort)
 
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -450,7 +591,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True, help="directory for model.onnx")
+    parser.add_argument("--weights", choices=("torch", "seeded"), default=None,
+                        help="torch: build_model's weights, then a greedy check against PyTorch (default below full "
+                             "size); seeded: export_seeded, weights written from --seed tensor by tensor (default "
+                             "for --size full; no PyTorch check)")
     args = parser.parse_args(argv)
+    weights = args.weights or ("seeded" if args.size == "full" else "torch")
+    if weights == "seeded":
+        path = export_seeded(args.arch, args.size, _DTYPES[args.dtype], args.out, seed=args.seed)
+        data = path.with_name(path.name + ".data")
+        print(json.dumps(dict(onnx=str(path), data=str(data), data_bytes=data.stat().st_size,
+                              regenerate=f"python examples/seeded_weights.py regenerate {path}"), indent=1))
+        return
     model = build_model(args.arch, args.size, _DTYPES[args.dtype], args.seed)
     path = export_hf(model, args.out)
     print(json.dumps(dict(onnx=str(path), **check_export(model, path, steps=args.steps)), indent=1))

@@ -7,6 +7,7 @@ not reached.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -120,6 +121,44 @@ def _print_interface_notes(m) -> None:
         click.echo(f"inputs with initializer defaults kept overridable: {_names(kept)} (--freeze-inputs makes them constants)")
 
 
+class _ProgressBars:
+    """Draws one rich progress bar per running stage (`rewrite.core.stages`) on stderr; finished stages leave."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                  TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        self._tasks: dict[str, object] = {}
+
+    def __enter__(self):
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+    def started(self, name: str, total: int | None, unit: str) -> None:
+        self._tasks[name] = self._progress.add_task(name, total=total if unit == "B" and total else None)
+
+    def advanced(self, name: str, done: int) -> None:
+        if name in self._tasks:
+            self._progress.update(self._tasks[name], completed=done)
+
+    def finished(self, record) -> None:
+        task = self._tasks.pop(record.name, None)
+        if task is not None:
+            self._progress.remove_task(task)
+
+
+def _print_stages(records) -> None:
+    t = Table("stage", "seconds", "RSS MiB", "peak RSS MiB", "child peak MiB", "done")
+    for r in records:
+        done = f"{r.done / 2**20:.0f} MiB" if r.unit == "B" and r.total else "-"
+        t.add_row(r.name, f"{r.seconds:.2f}", f"{r.rss_mb:.0f}", f"{r.peak_rss_mb:.0f}", f"{r.children_peak_rss_mb:.0f}", done)
+    console.print(t)
+
+
 def _names(names: list[str], shown: int = 6) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
@@ -140,8 +179,22 @@ def _names(names: list[str], shown: int = 6) -> str:
 @click.option("--stateful", is_flag=True, help="iree: keep the KV cache in the compiled module (one util.global); the function takes ids and position.")
 @click.option("--freeze-inputs", is_flag=True, help="Make graph inputs that have an initializer default constants (they leave the interface; plugins may fold them).")
 @click.option("--cuda-sm", default=None, metavar="SM", help="iree --target cuda: the SM to compile for, e.g. sm_90 (default sm_80, whose PTX runs on sm_80 and later).")
-def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful, freeze_inputs, cuda_sm) -> None:
+@click.option("--quiet", is_flag=True, help="No progress bars and no stage table (for scripts); the report table and errors stay.")
+@click.option("--stages", "stages_path", type=click.Path(dir_okay=False), help="Write each stage's time and memory (load, shapes, each plugin, save, import, compile) as JSON.")
+def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful, freeze_inputs, cuda_sm,
+              quiet, stages_path) -> None:
     """Rewrite MODEL with --plugins and lower it for --backend into OUT."""
+    from rewrite.core.stages import Listener, recording
+
+    _check_writable("--stages", stages_path, None if dry_run else out_dir)
+    bars = contextlib.nullcontext(Listener()) if quiet or not sys.stderr.isatty() else _ProgressBars()
+    with bars as listener, recording(listener) as rec:
+        _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful,
+               freeze_inputs, cuda_sm, rec, quiet, stages_path)
+
+
+def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful,
+           freeze_inputs, cuda_sm, rec, quiet, stages_path) -> None:
     from rewrite.explain import parse_expect, preview, shortfalls
     from rewrite.pipeline import apply
 
@@ -170,6 +223,10 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
     _print_report(report)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=1) + "\n")
+    if not quiet:
+        _print_stages(rec.records)
+    if stages_path:
+        Path(stages_path).write_text(json.dumps([r.to_json() for r in rec.records], indent=1) + "\n")
     if dry_run:
         click.echo("dry run: nothing written" + (f" except {report_path}" if report_path else ""))
     else:

@@ -22,6 +22,7 @@ from rewrite.core.interface import DecoderInterface, decoder_interface
 from rewrite.core.ir import Graph
 from rewrite.core.lowering import LoweringRegistry
 from rewrite.core.shapes import infer_shapes
+from rewrite.core.stages import stage
 from rewrite.errors import BackendError, RewriteError, UnsupportedModelError
 from rewrite.plugins.base import Plugin
 from rewrite.plugins.manager import lowering_registry, select_plugins
@@ -78,12 +79,14 @@ def check_options(options: dict, plugins: list[Plugin]) -> None:
 
 def rewrite_graph(graph: Graph, plugins: list[Plugin], ctx: RewriteContext, *, dry_run: bool = False) -> list[PluginReport]:
     """Refine shapes, then run each plugin all-or-nothing, in order; returns their reports."""
-    infer_shapes(graph, ctx.dims)
+    with stage("shapes"):
+        infer_shapes(graph, ctx.dims)
     reports = []
     for p in plugins:
-        reports.append(run_plugin(graph, p, ctx, dry_run=dry_run))
-        if not dry_run:
-            graph.remove_unused_initializers()
+        with stage(f"plugin {p.short}"):
+            reports.append(run_plugin(graph, p, ctx, dry_run=dry_run))
+            if not dry_run:
+                graph.remove_unused_initializers()
     return reports
 
 
@@ -166,7 +169,8 @@ def apply(
     if target not in be.targets:
         raise RewriteError(f"backend '{backend}' has no target '{target}'; targets: {', '.join(be.targets)}")
     selected = select_plugins(list(plugins) if not isinstance(plugins, str) else plugins)
-    graph = onnx_io.load(model_path)
+    with stage("load"):
+        graph = onnx_io.load(model_path)
     frozen = graph.freeze_inputs() if freeze_inputs else []
     check_model(graph, selected, str(model_path))
     check_options(options or {}, selected)
@@ -175,7 +179,8 @@ def apply(
     used = abstract_ops_in(graph)
     lowerings = lowering_registry() if used else LoweringRegistry()  # (a graph without abstract ops needs none)
     lowerings.check(used, backend, target)  # before anything is written
-    infer_shapes(graph)  # types for the values the plugins created, which the IREE importer needs
+    with stage("shapes"):
+        infer_shapes(graph)  # types for the values the plugins created, which the IREE importer needs
     out_dir = Path(out_dir)
     check_output_folder(out_dir, Path(model_path))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +199,8 @@ def apply(
         )
         iface = decoder_interface(graph)  # before lowering: abstract ops still say which axis a cache is written on
         try:
-            be.lower(graph, tmp, manifest, options=ctx.options, lowerings=lowerings.for_target(backend, target))
+            with stage(f"lower {backend}/{target}"):
+                be.lower(graph, tmp, manifest, options=ctx.options, lowerings=lowerings.for_target(backend, target))
         except BackendError as e:
             if not (tmp / "compile.log").exists():
                 raise

@@ -62,3 +62,31 @@ def test_a_model_over_2gb_lowers_and_runs(big_model, tmp_path, backend):
     got = load_runner(tmp_path / "out").run({"x": x})
     np.testing.assert_array_equal(got["y"], want)
     np.testing.assert_array_equal(got["z"], want[:, :8] + np.arange(8, dtype=np.float32))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_ort_load_check_of_a_large_model_runs_on_its_skeleton(tmp_path, monkeypatch, broken):
+    """Above CHECK_WEIGHTS_MAX_BYTES the apply-time ORT check loads the weightless skeleton: a graph ORT
+    refuses is still refused, naming the folder's model, and the check leaves no file behind."""
+    from rewrite.backends import ort as ort_backend
+
+    monkeypatch.setattr(ort_backend, "CHECK_WEIGHTS_MAX_BYTES", 0)
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")
+    node = helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")
+    if broken:  # an attribute MatMul does not have: ORT's loader refuses it
+        node.attribute.append(helper.make_attribute("bogus", 1))
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 10
+    onnx.save(m, tmp_path / "m.onnx")
+    if broken:
+        with pytest.raises(Exception, match="ONNX Runtime cannot load it") as ei:
+            apply(tmp_path / "m.onnx", tmp_path / "out", backend="ort")
+        assert "model.onnx" in str(ei.value) and ".ort-check" not in str(ei.value)
+        assert not (tmp_path / "out").exists()
+    else:
+        apply(tmp_path / "m.onnx", tmp_path / "out", backend="ort")
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.onnx"]
+        got = load_runner(tmp_path / "out").run({"x": np.arange(4, dtype=np.float32)[None]})
+        np.testing.assert_array_equal(got["y"], np.arange(4, dtype=np.float32)[None])

@@ -95,6 +95,21 @@ def test_quantize_blockwise_matches_references(dtype, bs, axis):
     np.testing.assert_array_equal(dequantize_blockwise(codes, scales, None, axis, bs), _reference_dequant(w, axis, bs, True))
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("shape,axis", [((5, 40, 300), 2), ((5, 300, 40), 1), ((500, 70), 0), ((1, 3, 500), 2)])
+def test_quantize_blockwise_in_slices_equals_whole(monkeypatch, symmetric, shape, axis):
+    """Large weights are quantized a slice at a time (memory); the result is the whole tensor's, bit for bit."""
+    w = (np.random.default_rng(len(shape) + axis).standard_normal(shape) * 0.05).astype(np.float16)
+    whole = quantize_blockwise(w, axis, 64, symmetric)
+    monkeypatch.setattr(q4, "_CHUNK_ELEMENTS", 999)
+    sliced = quantize_blockwise(w, axis, 64, symmetric)
+    for a, b in zip(whole, sliced):
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_array_equal(a, b, strict=True)
+
+
 # ------------------------------------------------------------------ the transformers export
 def _k_axes(model: onnx.ModelProto) -> dict[str, int]:
     """The reduction axis of each weight, read off the export's structure: MatMul B [K, N] -> 0, Gemm

@@ -35,6 +35,7 @@ import iree.runtime as rt
 import numpy as np
 
 from rewrite.backends.errors import BackendError, IreeCompileError, IreeImportError, IreeRuntimeError
+from rewrite.core.stages import stage
 
 __all__ = [
     "BackendError",
@@ -152,7 +153,8 @@ def import_onnx(
             cmd[3] = str(inlined)
             cmd += ["--large-model"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        with stage("iree import"):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
     finally:
         if inlined is not None:
             inlined.unlink(missing_ok=True)
@@ -252,7 +254,8 @@ def compile_mlir(
     # run in the MLIR's folder with relative paths: kernel objects the MLIR names relative to its folder
     # resolve there, and neither the log nor the module's locations record where the folder was made
     cmd = [_iree_compile_binary(), mlir_path.name, "-o", os.path.relpath(vmfb_path, mlir_path.parent), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=mlir_path.parent)
+    with stage("iree compile"):
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=mlir_path.parent)
     log_path = vmfb_path.parent / "compile.log"
     log_path.write_text(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0 or not vmfb_path.exists():

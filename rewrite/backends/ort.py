@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from rewrite.backends.base import Manifest, check_feeds
@@ -19,6 +20,8 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.feeds import input_specs, specs_of
 from rewrite.core.interface import DecoderInterface
 from rewrite.core.ir import Graph
+from rewrite.core.shapes import SKELETON_MAX_BYTES
+from rewrite.core.stages import stage
 from rewrite.errors import BackendError, RewriteError
 
 
@@ -128,6 +131,34 @@ def lower_abstract_ops(graph: Graph, lowerings: dict) -> int:
     return count
 
 
+#: bytes of weights above which the apply-time load check runs on the weightless skeleton (weights as graph
+#: inputs of the same type): a session of the whole model would need memory for all of them
+CHECK_WEIGHTS_MAX_BYTES = 2 << 30
+
+
+def check_loads(graph: Graph, path: Path, session: dict) -> None:
+    """Fail at apply time, not at run time, if ONNX Runtime cannot load the folder's model ``path`` (on CPU: this
+    machine may have no GPU). Models with more than :data:`CHECK_WEIGHTS_MAX_BYTES` of weights are checked as
+    their skeleton (``onnx_io.to_model(skeleton_bytes=...)``): ops, attributes, types and shapes are what ORT
+    validates at load, and those are the same.
+
+    Raises:
+        BackendError: ORT's first message line.
+    """
+    weights = sum(onnx_io.tensor_nbytes(graph.values[n].initializer) for n in graph.initializers)
+    if weights <= CHECK_WEIGHTS_MAX_BYTES:
+        ort_session(path, optimize=session["optimize"], config=session["config"])
+        return
+    skeleton = path.with_name(".ort-check.onnx")
+    try:
+        onnx.save(onnx_io.to_model(graph, skeleton_bytes=SKELETON_MAX_BYTES), str(skeleton))
+        ort_session(skeleton, optimize=session["optimize"], config=session["config"])
+    except BackendError as e:
+        raise BackendError(str(e).replace(str(skeleton), str(path))) from None
+    finally:
+        skeleton.unlink(missing_ok=True)
+
+
 class OrtBackend:
     name = "ort"
     targets = ("cpu", "cuda")
@@ -143,8 +174,8 @@ class OrtBackend:
         manifest.inputs = [s.to_json() for s in input_specs(model)]
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
         manifest.session = folder_session(manifest.target)
-        # fail at apply time, not at run time, if ORT cannot load the result (on CPU: this machine may have no GPU)
-        ort_session(path, optimize=manifest.session["optimize"], config=manifest.session["config"])
+        with stage("ort session check"):
+            check_loads(graph, path, manifest.session)
 
     def load(self, folder: Path, manifest: Manifest) -> OrtRunner:
         """The folder's model in the session its manifest records (:data:`FOLDER_SESSION` when it records none)."""

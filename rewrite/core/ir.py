@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from rewrite.core import spill
 from rewrite.errors import RewriteError
 
 SOURCE = -1  #: pseudo node producing graph inputs and initializers
@@ -86,13 +87,18 @@ class Value:
         return None if self.shape is None else len(self.shape)
 
     def const(self) -> np.ndarray | None:
-        """The initializer's data as a numpy array (read on first call, then cached); None for other values.
+        """The initializer's data as a numpy array; None for other values. Data inside the model is read on the
+        first call and cached; external data (the source's data files, or the spill file) is a copy-on-write
+        memory map made per call (:func:`rewrite.core.spill.read_external`), so a model larger than memory is read
+        one tensor at a time.
 
         Raises:
             RewriteError: the external data file is missing or shorter than the tensor needs.
         """
         if self.initializer is None:
             return None
+        if self.initializer.data_location == onnx.TensorProto.EXTERNAL:
+            return spill.read_external(self.initializer, self.base_dir)  # a memory map, released with the array
         if self._const_cache is None:
             try:
                 self._const_cache = numpy_helper.to_array(self.initializer, self.base_dir)
@@ -182,6 +188,16 @@ class Node:
     def describe(self) -> str:
         """``'name' (domain::OpType)`` with :attr:`display_name`."""
         return f"'{self.display_name}' ({self.domain + '::' if self.domain else ''}{self.op_type})"
+
+
+def _stored(name: str, array: np.ndarray) -> tuple[onnx.TensorProto, str, np.ndarray | None]:
+    """(TensorProto, base_dir, in-memory cache) for new initializer data: spilled to disk when large."""
+    array = np.asarray(array)
+    t = numpy_helper.from_array(array, name)
+    if array.nbytes >= spill.SPILL_MIN_BYTES:
+        t, base_dir = spill.spill_tensor(t)
+        return t, base_dir, None
+    return t, "", array
 
 
 def _copy_proto(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -591,14 +607,33 @@ class Graph:
             self._connect(new, c, port)
 
     def add_initializer(self, name: str, array: np.ndarray) -> Value:
-        """Add a constant tensor (stored in the model as an initializer)."""
+        """Add a constant tensor (stored in the model as an initializer; a fresh name if ``name`` is taken).
+
+        A tensor of :data:`~rewrite.core.spill.SPILL_MIN_BYTES` or more is written to the spill file at once and
+        not kept in memory (:func:`~rewrite.core.spill.spill_tensor`).
+        """
         if name in self.values:
             name = self.fresh_name(name)
-        t = numpy_helper.from_array(np.asarray(array), name)
-        v = self.add_value(name, dtype=t.data_type, shape=tuple(t.dims), initializer=t)
-        v._const_cache = np.asarray(array)
+        t, base_dir, cache = _stored(name, array)
+        v = self.add_value(name, dtype=t.data_type, shape=tuple(t.dims), initializer=t, base_dir=base_dir)
+        v._const_cache = cache
         self.producer[name] = (SOURCE, 0)
         self.initializers.append(name)
+        return v
+
+    def set_initializer_data(self, name: str, array: np.ndarray) -> Value:
+        """Replace the data of initializer ``name`` by ``array`` (its element type and shape become the array's;
+        large data is spilled as in :meth:`add_initializer`).
+
+        Raises:
+            RewriteError: ``name`` is not an initializer.
+        """
+        v = self.values.get(name)
+        if v is None or not v.is_initializer:
+            raise RewriteError(f"'{name}' is not an initializer")
+        t, base_dir, cache = _stored(name, array)
+        v.initializer, v.base_dir, v._const_cache = t, base_dir, cache
+        v.set_type(t.data_type, tuple(t.dims))
         return v
 
     def remove_unused_initializers(self) -> int:

@@ -17,7 +17,9 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
+from rewrite.core import spill
 from rewrite.core.ir import SINK, SOURCE, Graph, Value
+from rewrite.core.stages import stage
 from rewrite.errors import ModelLoadError, RewriteError
 
 #: Initializers at least this many bytes go to the external data file when a model must use one.
@@ -225,7 +227,7 @@ def to_model(g: Graph, *, skeleton_bytes: int | None = None) -> onnx.ModelProto:
         t = v.initializer
         if skeleton_bytes is not None and v.overridable:
             continue  # a default is not a constant: inference must not fold it (the input declares its type)
-        if skeleton_bytes is not None and (t.data_location == onnx.TensorProto.EXTERNAL or _tensor_nbytes(t) > skeleton_bytes):
+        if skeleton_bytes is not None and (t.data_location == onnx.TensorProto.EXTERNAL or tensor_nbytes(t) > skeleton_bytes):
             if name not in g.inputs:
                 gp.input.append(onnx.helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
             continue
@@ -273,7 +275,8 @@ def to_model(g: Graph, *, skeleton_bytes: int | None = None) -> onnx.ModelProto:
     return model
 
 
-def _tensor_nbytes(t: onnx.TensorProto) -> int:
+def tensor_nbytes(t: onnx.TensorProto) -> int:
+    """Bytes of a tensor's data: its external ``length``, or the serialized size of data held inside the model."""
     if t.data_location == onnx.TensorProto.EXTERNAL:
         return int({e.key: e.value for e in t.external_data}.get("length", 0))
     return t.ByteSize()
@@ -293,8 +296,11 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None) -> 
     model = to_model(g)
     inits = model.graph.initializer
     has_ext = any(t.data_location == onnx.TensorProto.EXTERNAL for t in inits)
-    total = sum(_tensor_nbytes(t) for t in inits)
-    use_ext = external if external is not None else (has_ext or total > _PROTOBUF_LIMIT // 2)
+    # the spill file holds what plugins made, not what the source had: it alone does not make the output external
+    source_ext = any(t.data_location == onnx.TensorProto.EXTERNAL and not spill.is_spilled(t, g.values[t.name].base_dir)
+                     for t in inits)
+    total = sum(tensor_nbytes(t) for t in inits)
+    use_ext = external if external is not None else (source_ext or total > _PROTOBUF_LIMIT // 2)
     if not use_ext:
         if has_ext:  # forced inline: read the external tensors
             for k, t in enumerate(inits):
@@ -305,8 +311,9 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None) -> 
     data_name = path.name + ".data"
     fd, tmp_data = tempfile.mkstemp(dir=path.parent, prefix=".rewrite-", suffix=".data")
     try:
-        with os.fdopen(fd, "wb") as out:
+        with os.fdopen(fd, "wb") as out, stage("save", total=total, unit="B") as advance:
             for t in inits:
+                advance(tensor_nbytes(t))
                 src = g.values[t.name]
                 if t.data_location == onnx.TensorProto.EXTERNAL:
                     info = {e.key: e.value for e in t.external_data}

@@ -172,11 +172,7 @@ def widen_4bit_initializers(graph: Graph) -> list[str]:
         if v.overridable:
             raise RewriteError(f"graph input '{name}' is a 4-bit tensor with an initializer default; re-encoding it would "
                                "change the input's type (--freeze-inputs makes it a constant, which can be re-encoded)")
-        data = v.const().astype(_WIDEN_4BIT[v.dtype][1])
-        t = onnx.numpy_helper.from_array(data, name)
-        v.initializer = t
-        v._const_cache = data
-        v.set_type(t.data_type, tuple(t.dims))
+        graph.set_initializer_data(name, v.const().astype(_WIDEN_4BIT[v.dtype][1]))
         done.append(name)
         _clear_4bit_types_below(graph, name)
     for node in constants:

@@ -62,6 +62,7 @@ from onnx import TensorProto
 from rewrite.core.driver import PluginReport
 from rewrite.core.ir import Graph, Node, dtype_name
 from rewrite.core.rules import Builder
+from rewrite.core.stages import stage
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
 from rewrite.core.cases import bad_input, negative, positive
@@ -113,6 +114,7 @@ class Quant4Options:
 
 
 # --------------------------------------------------------------------------- numerics
+_CHUNK_ELEMENTS = 1 << 24  # quantize_blockwise works on slices of about this many weights at a time
 def quantize_blockwise(w: np.ndarray, axis: int, block_size: int, symmetric: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Round-to-nearest 4-bit quantization of ``w`` in blocks of ``block_size`` along ``axis``.
 
@@ -132,9 +134,20 @@ def quantize_blockwise(w: np.ndarray, axis: int, block_size: int, symmetric: boo
     Raises:
         RewriteError: ``w`` holds NaN or infinity.
     """
+    w = np.asarray(w)
+    outer = next((a for a in range(w.ndim) if a != axis and w.shape[a] > 1), None)
+    if w.size > _CHUNK_ELEMENTS and outer is not None:
+        # blocks run along `axis` only: slices along another axis quantize alone, with a few float32 copies of
+        # one slice in memory instead of the whole tensor's (a 692 MB fp16 expert stack needed ~6 GB)
+        step = max(1, _CHUNK_ELEMENTS * w.shape[outer] // w.size)
+        parts = [quantize_blockwise(np.take(w, range(i, min(i + step, w.shape[outer])), axis=outer), axis, block_size, symmetric)
+                 for i in range(0, w.shape[outer], step)]
+        codes, scales = (np.concatenate([p[j] for p in parts], axis=outer) for j in (0, 1))
+        zp = None if symmetric else np.concatenate([p[2] for p in parts], axis=outer)
+        return codes, scales, zp
     if not np.isfinite(w).all():
         raise RewriteError("weights hold NaN or infinity")
-    x = np.moveaxis(np.asarray(w), axis, -1).astype(np.float32)
+    x = np.moveaxis(w, axis, -1).astype(np.float32)
     k = x.shape[-1]
     nb = math.ceil(k / block_size)
     pad = nb * block_size - k
@@ -411,19 +424,22 @@ class Quant4(Plugin):
         if not targets:
             return
         _check_opset21(graph)
-        nbytes = sum(graph.values[t.name].const().nbytes for t in targets)
-        for t in targets:
-            rep = report.rule(rules[t.kind])
-            rep.matches += 1
-            if dry_run:
-                continue
-            try:
-                emit = _emit_dense if t.kind == "dense" else _emit_expert
-                added, removed = emit(graph, t, opts, f"{self.short}/{rules[t.kind]}")
-                rep.nodes_added += added
-                rep.nodes_removed += removed
-            except RewriteError as e:
-                raise RewriteError(f"initializer '{t.name}': {e}") from e
+        sizes = {t.name: graph.values[t.name].const().nbytes for t in targets}
+        nbytes = sum(sizes.values())
+        with stage("quant4 weights", total=0 if dry_run else nbytes, unit="B") as advance:
+            for t in targets:
+                rep = report.rule(rules[t.kind])
+                rep.matches += 1
+                if dry_run:
+                    continue
+                try:
+                    emit = _emit_dense if t.kind == "dense" else _emit_expert
+                    added, removed = emit(graph, t, opts, f"{self.short}/{rules[t.kind]}")
+                    rep.nodes_added += added
+                    rep.nodes_removed += removed
+                except RewriteError as e:
+                    raise RewriteError(f"initializer '{t.name}': {e}") from e
+                advance(sizes[t.name])
         if dry_run:
             return
         graph.remove_unused_initializers()

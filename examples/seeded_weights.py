@@ -1,0 +1,276 @@
+"""Seeded weights for full-size models: the same bytes on any machine from (seed, tensor name), tensor by tensor.
+
+A full-size MoE export is tens of gigabytes of weights that are random anyway. Here every tensor's values come from
+a counter-based generator (numpy's Philox, keyed by a SHA-256 of ``"{seed}/{name}"``), so
+
+- they are written tensor by tensor in fixed-size chunks, never the whole model in memory;
+- the result does not depend on the order, the threads or the chunking that wrote it;
+- a machine that holds only the weightless graph (``model.onnx`` with external-data references, a few MB)
+  regenerates the identical ``model.onnx.data`` with `regenerate` and numpy alone.
+
+Values (``init_kind`` picks by name, in the spirit of transformers' ``_init_weights``):
+
+- norm weights (``*norm.weight``, ``*layernorm.weight``): 1.0;
+- router weights (``*.mlp.gate.weight``): uniform with std 0.5 (`ROUTER_STD`): a router at the default std routes by
+  rounding noise, and runtimes then disagree on the selection;
+- everything else: uniform with std 0.02 (transformers' ``initializer_range``), biases included.
+
+CLI: ``python examples/seeded_weights.py regenerate model.onnx --seed 0`` writes the external data ``model.onnx``
+references, next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+ROUTER_STD = 0.5
+WEIGHT_STD = 0.02
+CHUNK = 1 << 22  # elements per generator call; fixed, so the stream of every tensor is the same everywhere
+ALIGN = 64  # byte alignment of each tensor in the data file (mmap and vector loads)
+METADATA_KEY = "seeded_weights"  # model metadata_props key: seed and derived tensors (see `metadata`)
+
+_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+_ITEMSIZE = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2}
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor's bytes live in the data file.
+
+    Attributes:
+        name: tensor name (the key of its values).
+        shape: dims.
+        elem_type: ONNX element type: FLOAT, FLOAT16 or BFLOAT16.
+        offset: byte offset in the data file (a multiple of `ALIGN`).
+        length: byte length (elements x item size).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    elem_type: int
+    offset: int
+    length: int
+
+
+def layout(tensors: Iterable[tuple[str, Sequence[int], int]]) -> list[TensorSlot]:
+    """Consecutive `ALIGN`-aligned slots for ``(name, shape, elem_type)`` tensors, in the order given.
+
+    Raises:
+        ValueError: an element type other than FLOAT, FLOAT16, BFLOAT16.
+    """
+    slots, offset = [], 0
+    for name, shape, elem_type in tensors:
+        if elem_type not in _ITEMSIZE:
+            raise ValueError(f"tensor '{name}': element type {onnx.TensorProto.DataType.Name(elem_type)} is not "
+                             f"generated (float32, float16, bfloat16)")
+        length = math.prod(shape) * _ITEMSIZE[elem_type]
+        slots.append(TensorSlot(name, tuple(int(d) for d in shape), elem_type, offset, length))
+        offset += length + (-length) % ALIGN
+    return slots
+
+
+def init_kind(name: str) -> tuple[str, float]:
+    """``("ones", 1.0)`` for norm weights, else ``("uniform", std)``: `ROUTER_STD` for router weights, `WEIGHT_STD`
+    otherwise (see the module docstring)."""
+    if name.endswith("norm.weight"):
+        return "ones", 1.0
+    if name.endswith("mlp.gate.weight"):
+        return "uniform", ROUTER_STD
+    return "uniform", WEIGHT_STD
+
+
+def _generator(seed: int, name: str) -> np.random.Generator:
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:16], "little")
+    return np.random.Generator(np.random.Philox(key=key))
+
+
+def _encode(values: np.ndarray, elem_type: int) -> bytes:
+    """float32 values as the bytes of ``elem_type`` (bfloat16: round to nearest even, as torch does)."""
+    if elem_type == onnx.TensorProto.FLOAT:
+        return values.tobytes()
+    if elem_type == onnx.TensorProto.FLOAT16:
+        return values.astype(np.float16).tobytes()
+    bits = values.view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
+
+
+def tensor_chunks(seed: int, slot: TensorSlot) -> Iterable[bytes]:
+    """The bytes of ``slot``'s tensor, in chunks of at most `CHUNK` elements (no padding)."""
+    count = slot.length // _ITEMSIZE[slot.elem_type]
+    kind, std = init_kind(slot.name)
+    gen = _generator(seed, slot.name)
+    half_width = np.float32(std * math.sqrt(3.0))  # uniform(-a, a) has std a / sqrt(3)
+    buf = np.empty(min(CHUNK, max(count, 1)), np.float32)
+    done = 0
+    while done < count:
+        n = min(CHUNK, count - done)
+        out = buf[:n]
+        if kind == "ones":
+            out.fill(1.0)
+        else:
+            gen.random(out=out, dtype=np.float32)
+            out *= 2 * half_width
+            out -= half_width
+        yield _encode(out, slot.elem_type)
+        done += n
+
+
+def tensor_values(seed: int, slot: TensorSlot) -> np.ndarray:
+    """``slot``'s tensor as a numpy array (float32; small tensors and tests: the whole tensor is in memory)."""
+    raw = b"".join(tensor_chunks(seed, slot))
+    if slot.elem_type == onnx.TensorProto.FLOAT:
+        return np.frombuffer(raw, np.float32).reshape(slot.shape)
+    if slot.elem_type == onnx.TensorProto.FLOAT16:
+        return np.frombuffer(raw, np.float16).astype(np.float32).reshape(slot.shape)
+    return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(slot.shape)
+
+
+def write(path: str | os.PathLike, slots: Sequence[TensorSlot], seed: int, *, threads: int | None = None,
+          progress=None, derived: dict[str, Sequence] | None = None) -> int:
+    """Write every slot's tensor into ``path`` at its offset (the file is created or extended to the layout's size;
+    bytes outside the slots are zero). Tensors are written in parallel, each by one thread in `CHUNK` pieces, so
+    memory stays at a few chunks per thread.
+
+    Args:
+        progress: called with each slot's byte length once it is written (e.g. a progress bar's advance).
+        derived: slots made from a parameter rather than by name: ``{name: (parameter, perm)}`` (see `metadata`).
+
+    Returns:
+        The file size in bytes.
+    """
+    end = max((s.offset + s.length for s in slots), default=0)
+    size = end + (-end) % ALIGN
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, max(size, os.fstat(fd).st_size))
+
+        def one(slot: TensorSlot) -> None:
+            pos = slot.offset
+            recipe = (derived or {}).get(slot.name)
+            chunks = tensor_chunks(seed, slot) if recipe is None else _derived_chunks(seed, slot, *recipe)
+            for chunk in chunks:
+                os.pwrite(fd, chunk, pos)
+                pos += len(chunk)
+            if progress is not None:
+                progress(slot.length)
+
+        with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            for _ in pool.map(one, sorted(slots, key=lambda s: -s.length)):
+                pass
+    finally:
+        os.close(fd)
+    return size
+
+
+def zero_ranges(path: str | os.PathLike, ranges: Iterable[tuple[int, int]]) -> None:
+    """Make ``(offset, length)`` ranges of ``path`` zeros, releasing their disk blocks where the file system can
+    (Linux ``fallocate(PUNCH_HOLE)``; elsewhere zeros are written). For parameters the exported graph does not
+    reference (the exporter folded them into transposed copies): `regenerate` leaves them zero too."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        punch = None
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            punch = libc.fallocate
+            punch.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
+        except (OSError, AttributeError):
+            punch = None
+        for offset, length in ranges:
+            if punch is not None and punch(fd, 0x01 | 0x02, offset, length) == 0:  # KEEP_SIZE | PUNCH_HOLE
+                continue
+            for start in range(offset, offset + length, 1 << 24):
+                os.pwrite(fd, bytes(min(1 << 24, offset + length - start)), start)
+    finally:
+        os.close(fd)
+
+
+def external_slots(model: onnx.ModelProto) -> dict[str, list[TensorSlot]]:
+    """The external-data tensors of ``model``'s main graph, by data file location.
+
+    Raises:
+        ValueError: an external tensor without a length, or of an element type that is not generated.
+    """
+    by_file: dict[str, list[TensorSlot]] = {}
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        if "length" not in info:
+            raise ValueError(f"initializer '{t.name}': external data without a length")
+        if t.data_type not in _ITEMSIZE:
+            raise ValueError(f"initializer '{t.name}': {onnx.TensorProto.DataType.Name(t.data_type)} is not generated")
+        slot = TensorSlot(t.name, tuple(t.dims), t.data_type, int(info.get("offset", 0)), int(info["length"]))
+        if slot.length != math.prod(slot.shape) * _ITEMSIZE[t.data_type]:
+            raise ValueError(f"initializer '{t.name}': length {slot.length} does not fit its shape {slot.shape}")
+        by_file.setdefault(info["location"], []).append(slot)
+    return by_file
+
+
+def metadata(seed: int, derived: dict[str, tuple[str, Sequence[int]]]) -> str:
+    """The model metadata value (under `METADATA_KEY`) that `regenerate` reads: the seed, and for each initializer
+    the exporter derived from a parameter (a transposed weight its optimizer folded) the parameter's name and the
+    permutation: ``initializer == parameter.transpose(perm)``."""
+    return json.dumps({"seed": seed, "derived": {k: [src, list(perm)] for k, (src, perm) in sorted(derived.items())}})
+
+
+def _derived_chunks(seed: int, slot: TensorSlot, source: str, perm: Sequence[int]) -> Iterable[bytes]:
+    """The bytes of a derived tensor: its source parameter generated whole (float32), then transposed."""
+    inverse = np.argsort(perm)
+    source_slot = TensorSlot(source, tuple(slot.shape[i] for i in inverse), slot.elem_type, 0, slot.length)
+    yield _encode(np.ascontiguousarray(tensor_values(seed, source_slot).transpose(perm)), slot.elem_type)
+
+
+def regenerate(onnx_path: str | os.PathLike, seed: int | None = None, *, threads: int | None = None) -> list[Path]:
+    """Write the external data files a weightless ``onnx_path`` references (see the module docstring).
+
+    Args:
+        seed: the weight seed; by default the one recorded in the model's metadata (`METADATA_KEY`).
+
+    Returns:
+        The files written.
+
+    Raises:
+        ValueError: no seed given and none recorded, or a tensor the generator does not make (see `external_slots`).
+    """
+    onnx_path = Path(onnx_path)
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    recorded = json.loads({p.key: p.value for p in model.metadata_props}.get(METADATA_KEY, "{}"))
+    seed = recorded.get("seed") if seed is None else seed
+    if seed is None:
+        raise ValueError(f"{onnx_path}: no --seed given and none recorded in its metadata ({METADATA_KEY})")
+    derived = recorded.get("derived", {})
+    written = []
+    for location, slots in external_slots(model).items():
+        target = onnx_path.parent / location
+        write(target, slots, seed, threads=threads, derived=derived)
+        written.append(target)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    regen = sub.add_parser("regenerate", help="write the external data a weightless model.onnx references")
+    regen.add_argument("model", type=Path)
+    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    for path in regenerate(args.model, args.seed, threads=args.threads):
+        print(f"{path}: {path.stat().st_size / 1e9:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Tensors a plugin creates go to the spill file, not memory, and the saved model is as it would be without it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from rewrite.core import onnx_io, spill
+from rewrite.errors import RewriteError
+from rewrite.pipeline import apply
+
+
+def _dense_model(k: int = 256, n: int = 128) -> onnx.ModelProto:
+    w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, n])],
+                          [numpy_helper.from_array(w, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    return m
+
+
+def _outputs(path: Path, x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_add_initializer_spills_large_tensors_only(monkeypatch):
+    monkeypatch.setattr(spill, "SPILL_MIN_BYTES", 1024)
+    g = onnx_io.load(_dense_model())
+    big = np.arange(512, dtype=np.float32).reshape(2, 256)  # 2048 bytes: spilled
+    small = np.arange(8, dtype=np.int64)  # 64 bytes: kept
+    vb, vs = g.add_initializer("big", big), g.add_initializer("small", small)
+    assert vb.initializer.data_location == TensorProto.EXTERNAL and vb._const_cache is None
+    assert spill.is_spilled(vb.initializer, vb.base_dir)
+    assert vs.initializer.data_location == TensorProto.DEFAULT and not spill.is_spilled(vs.initializer, vs.base_dir)
+    np.testing.assert_array_equal(g.const("big"), big, strict=True)
+    np.testing.assert_array_equal(g.const("small"), small, strict=True)
+    # replacing data spills too, and changes the value's type
+    g.set_initializer_data("small", np.zeros((16, 32), np.float16))
+    assert spill.is_spilled(g.values["small"].initializer, g.values["small"].base_dir)
+    assert (g.values["small"].dtype, g.values["small"].shape) == (TensorProto.FLOAT16, (16, 32))
+    with pytest.raises(RewriteError, match="'x' is not an initializer"):
+        g.set_initializer_data("x", small)
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_spilled_quant4_output_equals_the_unspilled_one(tmp_path, monkeypatch, backend):
+    """quant4's codes and scales spilled: the saved folder is byte-identical to the one made in memory, holds its
+    data inline (the source had no external data) and refers to no spill file."""
+    src = tmp_path / "m.onnx"
+    onnx.save(_dense_model(), src)
+    plugins = "quant4,legalize" if backend == "iree" else "quant4"
+    apply(src, tmp_path / "mem", plugins=plugins, backend=backend)
+    monkeypatch.setattr(spill, "SPILL_MIN_BYTES", 256)
+    apply(src, tmp_path / "spilled", plugins=plugins, backend=backend)
+    a, b = (onnx.load(str(tmp_path / d / "model.onnx"), load_external_data=False) for d in ("mem", "spilled"))
+    assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+    assert not any(t.data_location == TensorProto.EXTERNAL for t in b.graph.initializer)
+    assert sorted(os.listdir(tmp_path / "mem")) == sorted(os.listdir(tmp_path / "spilled"))
+    if backend == "ort":
+        x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+        np.testing.assert_array_equal(_outputs(tmp_path / "spilled" / "model.onnx", x),
+                                      _outputs(tmp_path / "mem" / "model.onnx", x))
+
+
+def test_spilled_tensors_stream_into_an_external_output(tmp_path, monkeypatch):
+    monkeypatch.setattr(spill, "SPILL_MIN_BYTES", 256)
+    g = onnx_io.load(_dense_model())
+    w = np.random.default_rng(2).standard_normal((256, 128)).astype(np.float32)
+    g.set_initializer_data("W", w)
+    out = onnx_io.save(g, tmp_path / "o" / "model.onnx", external=True)
+    saved = onnx.load(str(out), load_external_data=False)
+    (t,) = saved.graph.initializer
+    assert {e.key: e.value for e in t.external_data}["location"] == "model.onnx.data"
+    x = np.ones((2, 256), np.float32)
+    np.testing.assert_allclose(_outputs(out, x), x @ w, rtol=1e-5)
+
+
+def test_the_spill_folder_goes_with_the_process(tmp_path):
+    """Normal exit and SIGTERM (the command line's handler raises SystemExit) both remove it."""
+    script = (
+        "import sys, signal, numpy as np\n"
+        "from rewrite.core import spill, onnx_io\n"
+        "from rewrite.cli import _exit_on_signal\n"
+        "import onnx\n"
+        "signal.signal(signal.SIGTERM, _exit_on_signal)\n"
+        f"g = onnx_io.load(onnx.load({str(tmp_path / 'm.onnx')!r}))\n"
+        "v = g.add_initializer('big', np.zeros(spill.SPILL_MIN_BYTES // 4, np.float32))\n"
+        "print(v.base_dir, flush=True)\n"
+        "if sys.argv[1] == 'term':\n"
+        "    import os; os.kill(os.getpid(), signal.SIGTERM)\n"
+    )
+    onnx.save(_dense_model(), tmp_path / "m.onnx")
+    for how in ("exit", "term"):
+        proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120)
+        folder = Path(proc.stdout.strip())
+        assert folder.name.startswith("rewrite-spill-"), proc.stderr
+        assert not folder.exists(), f"{how}: {folder} left behind"
+        assert proc.returncode == (0 if how == "exit" else 128 + 15)
