@@ -312,12 +312,13 @@ def export_seeded(arch: str, size: str, dtype: torch.dtype, out_dir: str | Path,
                                                    name=name, base_dir=str(out_dir))
     used_ranges = {(v.const_value.offset, v.const_value.length) for v in program.graph.initializers.values()
                    if isinstance(v.const_value, onnx_ir.ExternalTensor)}
-    seeded_weights.zero_ranges(data, [(s.offset, s.length) for s in slots if (s.offset, s.length) not in used_ranges])
     used = max((offset + length for offset, length in used_ranges), default=0)
     program.metadata_props[seeded_weights.METADATA_KEY] = seeded_weights.metadata(seed, derived)
+    # serialized before the unused parameters are zeroed: constants kept inline may still be views of them
     onnx.save(onnx_ir.serde.serialize_model(program), str(path))
     del program, model, params, sample, storage, by_ptr
     gc.collect()  # no view of the memory map may outlive the truncation (SIGBUS)
+    seeded_weights.zero_ranges(data, [(s.offset, s.length) for s in slots if (s.offset, s.length) not in used_ranges])
     os.truncate(data, used + (-used) % seeded_weights.ALIGN)  # as long as `regenerate` makes it
     return path
 

@@ -289,8 +289,12 @@ def run_cmd(folder, inputs_path, seed, save_path) -> None:
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.option("--prompt-ids", required=True, help="Comma-separated prompt token ids, e.g. 1,2,3.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
-def generate_cmd(folder, prompt_ids, max_new_tokens) -> None:
+@click.option("--compare", "compare_model", type=click.Path(dir_okay=False), default=None,
+              help="Also run this ONNX model (e.g. the source, or the quant4 model for a quant4 folder) on ONNX Runtime "
+                   "at the basic level, fed the same tokens, and compare the logits of every call (exit 1 past tolerance).")
+def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model) -> None:
     """Prefill --prompt-ids and decode greedily through FOLDER (stateful or not); print the new token ids."""
+    import gc
     import time
 
     from rewrite.generate import Generator
@@ -305,6 +309,34 @@ def generate_cmd(folder, prompt_ids, max_new_tokens) -> None:
     dt = time.perf_counter() - t0
     click.echo(",".join(str(t) for t in res.tokens))
     click.echo(f"{len(res.tokens)} tokens in {dt * 1e3:.1f} ms ({'stateful' if gen.state else 'stateless'} {gen.manifest.backend}/{gen.manifest.target})", err=True)
+    if compare_model is None:
+        return
+    del gen  # one model in memory at a time: a full-size folder and its reference do not fit together
+    gc.collect()
+    ok = _compare_decoding(compare_model, folder, ids, res)
+    sys.exit(0 if ok else 1)
+
+
+def _compare_decoding(model: str, folder: str, ids: list[int], res) -> bool:
+    """Teacher-forced reference run of ``model`` on ``res.tokens``; prints one line per call and a verdict."""
+    from rewrite.generate import Generator
+    from rewrite.verify import compare, describe_comparison
+
+    click.echo(describe_comparison(model, folder).replace("verify:", "compare:", 1))
+
+    ref = Generator.reference(model).replay(ids, res.tokens)
+    ref_tokens = [int(np.argmax(r[0, -1])) for r in ref]
+    ok = True
+    for k, (got, want) in enumerate(zip(res.logits, ref)):
+        c = compare("logits", got, want)
+        ok &= c.ok
+        call = "prefill" if k == 0 else f"decode {k}"
+        click.echo(f"{call:9} token {res.tokens[k]:>7} reference {ref_tokens[k]:>7}  max_abs={c.max_abs:.3e} "
+                   f"max_rel={c.max_rel:.3e} ({'ok' if c.ok else 'FAIL'}, {c.dtype} tolerance)")
+    same = sum(a == b for a, b in zip(res.tokens, ref_tokens))
+    click.echo(f"compare: {'PASS' if ok else 'FAIL'} against {model} (ONNX Runtime, basic level): "
+               f"{same} of {len(ref_tokens)} tokens equal")
+    return ok
 
 
 @cli.command("verify")

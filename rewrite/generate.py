@@ -180,6 +180,21 @@ class Generator:
         return res
 
 
+    def replay(self, prompt_ids: list[int], tokens: list[int]) -> list[np.ndarray]:
+        """Reset, prefill ``prompt_ids``, then feed ``tokens[:-1]`` one per call whatever this model would pick
+        (teacher forcing): the logits of the calls that :meth:`generate` made to produce ``tokens``, for comparing
+        two models step by step even after their tokens part.
+
+        Returns:
+            ``len(tokens)`` logits arrays, ``[1, len(prompt), vocab]`` then ``[1, 1, vocab]`` each.
+        """
+        self.reset()
+        out = [self.step(np.array([prompt_ids], np.int64))]
+        for t in tokens[:-1]:
+            out.append(self.step(np.array([[t]], np.int64)))
+        return out
+
+
 def generate(folder: str | Path, prompt_ids: list[int], max_new_tokens: int) -> GenerateResult:
     """One-shot :meth:`Generator.generate` on ``folder``."""
     return Generator(folder).generate(prompt_ids, max_new_tokens)

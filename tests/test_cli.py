@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -255,3 +256,28 @@ def test_bad_dim_names_the_symbolic_dims(tmp_path):
     r = rewrite("apply", small_model(tmp_path / "m.onnx"), "--dim", "seq=1", "-o", tmp_path / "o")
     assert r.returncode == 2
     assert "'seq' is not a symbolic dim of the graph inputs; they are: N" in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_compare_feeds_the_reference_the_folders_tokens(qwen2_moe_tiny, tmp_path):
+    """`generate --compare MODEL`: one line per call with the logits error, PASS within the dtype's tolerance
+    (exit 0); against a model the folder does not compute (the float source of a quant4 folder) FAIL, exit 1,
+    with the note that quant4 changes outputs by design."""
+    model = qwen2_moe_tiny
+    kv, q4 = tmp_path / "kv", tmp_path / "q4"
+    assert rewrite("apply", model, "--plugins", "kv,topk,moe", "--max-seq", "16", "-o", kv, "--quiet").returncode == 0
+    r = rewrite("generate", kv, "--prompt-ids", "11,22,33", "--max-new-tokens", "3", "--compare", model)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("compare: ") and "plugins: kv, topk, moe" in lines[1]
+    assert [ln.split()[0] for ln in lines[2:5]] == ["prefill", "decode", "decode"]
+    assert all("(ok, FLOAT tolerance)" in ln for ln in lines[2:5])
+    assert lines[-1].startswith("compare: PASS") and lines[-1].endswith("3 of 3 tokens equal")
+    tokens = [int(t) for t in lines[0].split(",")]
+    assert [int(re.search(r"token +(\d+)", ln).group(1)) for ln in lines[2:5]] == tokens
+
+    assert rewrite("apply", model, "--plugins", "quant4", "-o", q4, "--quiet").returncode == 0
+    r = rewrite("generate", q4, "--prompt-ids", "11,22,33", "--max-new-tokens", "2", "--compare", model)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "quant4 change outputs by design" in r.stdout and "FAIL, FLOAT tolerance" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("compare: FAIL")

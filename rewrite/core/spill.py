@@ -78,9 +78,9 @@ def spill_tensor(tensor: onnx.TensorProto) -> tuple[onnx.TensorProto, str]:
         except OSError as e:
             raise RewriteError(f"initializer '{tensor.name}': cannot write {len(tensor.raw_data)} bytes to the spill "
                                f"file {path} ({e.strerror})") from e
-    out = onnx.TensorProto()
-    out.CopyFrom(tensor)
-    out.ClearField("raw_data")
+    # a new message, not CopyFrom + ClearField: protobuf's arena would keep the copied raw_data until the message dies
+    out = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims, doc_string=tensor.doc_string)
+    out.metadata_props.extend(tensor.metadata_props)
     for key, val in (("location", path.name), ("offset", str(start)), ("length", str(len(tensor.raw_data)))):
         entry = out.external_data.add()
         entry.key, entry.value = key, val
