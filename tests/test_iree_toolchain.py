@@ -246,3 +246,48 @@ def test_a_compile_error_at_an_onnx_node_names_the_node():
     missing = ("ERROR: referenced object file not found on any path: #hal.executable.object<{path = \"kernels/x.o\"}>\n"
                "<unknown>:0: error: failed to serialize executable for target backend llvm-cpu\n")
     assert _failure_summary(1, missing).startswith("ERROR: referenced object file not found") and "kernels/x.o" in _failure_summary(1, missing)
+
+
+def test_params_written_file_to_file_equal_the_importers(tmp_path):
+    """The .irpa our import writes from the external data (spans of the data file) holds, key by key, the bytes
+    IREE's importer writes from arrays in memory; inline and external initializers, several element types."""
+    import subprocess
+    import sys
+
+    import iree.runtime as rt
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    rng = np.random.default_rng(0)
+    arrays = {"wf": rng.standard_normal((64, 80)).astype(np.float32), "wh": rng.standard_normal((80, 64)).astype(np.float16),
+              "codes": rng.integers(0, 16, (64, 512), dtype=np.uint8), "idx": np.arange(5000, dtype=np.int64)}
+    nodes = [helper.make_node("MatMul", ["x", "wf"], ["a"]), helper.make_node("Cast", ["wh"], ["whf"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["a", "whf"], ["b"]), helper.make_node("Cast", ["codes"], ["cf"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["b", "cf"], ["c"]), helper.make_node("Gather", ["idx", "i"], ["g"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64]),
+                                       helper.make_tensor_value_info("i", TensorProto.INT64, [3])],
+                          [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 512]),
+                           helper.make_tensor_value_info("g", TensorProto.INT64, [3])],
+                          [numpy_helper.from_array(a, n) for n, a in arrays.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 10
+    convert_model_to_external_data(m, location="m.onnx.data", size_threshold=20000)  # "idx" (40 kB) too; "wh" inline
+    onnx.save(m, tmp_path / "m.onnx")
+    assert {t.name for t in m.graph.initializer if t.data_location == TensorProto.EXTERNAL} == {"wf", "codes", "idx"}
+
+    ours = import_onnx(tmp_path / "m.onnx", tmp_path / "ours.mlir", params_path=tmp_path / "ours.irpa",
+                       param_threshold_elements=1024)
+    assert ours.params_path == tmp_path / "ours.irpa"
+    theirs = tmp_path / "theirs.irpa"
+    subprocess.run([sys.executable, "-m", "iree.compiler.tools.import_onnx", str(tmp_path / "m.onnx"), "-o",
+                    str(tmp_path / "theirs.mlir"), "--externalize-params", "--num-elements-threshold", "1024",
+                    "--params-scope", "model", "--save-params-to", str(theirs)], check=True, capture_output=True)
+
+    def contents(path):
+        index = rt.ParameterIndex()
+        index.load(str(path))
+        return {k: bytes(e.file_view) for k, e in index.items()}
+
+    got, want = contents(tmp_path / "ours.irpa"), contents(theirs)
+    assert sorted(got) == sorted(want) and len(got) == 4
+    for k in want:
+        assert got[k] == want[k], k

@@ -1,7 +1,8 @@
 """IREE's ONNX import, printed with locations: ``python -m rewrite.backends.iree_import`` takes the arguments of
 ``python -m iree.compiler.tools.import_onnx`` that :func:`rewrite.backends.iree_toolchain.import_onnx` passes
 (an output file; with ``--externalize-params``, ``--save-params-to``) and runs the same steps (shape inference,
-import, parameter externalization to an ``.irpa``, verification), but writes the module with its debug info. The importer names
+import, parameter externalization to an ``.irpa``, verification), but writes the module with its debug info and
+writes the ``.irpa`` from the external data file to file (`save_params`) instead of from arrays in memory. The importer names
 every op's location after its ONNX node, so the patched module keeps them and iree-compile's errors say which
 node an op came from instead of a line of the MLIR file.
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+
+import onnx
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +42,53 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.output_file, "w") as f:
         f.write(m.get_asm(enable_debug_info=True, assume_verified=True))
     if args.externalize_params and args.save_params:
-        imp.save_params()
+        save_params(imp.globals, imp._gi.initializer_map, param_data.data_dir, param_data.param_path)
     return 0
+
+
+#: element types whose ONNX raw bytes are the parameter's bytes (the importer writes numpy_helper.to_array's)
+_RAW_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16,
+              onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
+              onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
+              onnx.TensorProto.BOOL}
+
+
+def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.TensorProto], data_dir: str,
+                param_path: str) -> None:
+    """Write the ``.irpa`` of the externalized initializers, as the importer's ``save_params`` does, without holding
+    the weights in memory: each external-data initializer of a plain element type is added as a span of its data
+    file (``ParameterIndex.add_from_file_handle``) and the runtime copies it file to file; others (inline or 4-bit)
+    are read as arrays.
+
+    Args:
+        params: (initializer name, parameter key) pairs, the importer's ``globals``.
+        initializers: initializer protos by name (external data not loaded).
+        data_dir: folder the external-data locations are relative to.
+        param_path: the ``.irpa`` to write.
+    """
+    import os
+
+    import iree.runtime as rt
+    from onnx import numpy_helper
+
+    index = rt.ParameterIndex()
+    fds: dict[str, int] = {}
+    try:
+        for name, key in params:
+            t = initializers[name]
+            if t.data_location == onnx.TensorProto.EXTERNAL and t.data_type in _RAW_TYPES:
+                info = {e.key: e.value for e in t.external_data}
+                path = os.path.join(data_dir, info["location"])
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                length = int(info["length"]) if "length" in info else os.path.getsize(path) - int(info.get("offset", 0))
+                index.add_from_file_handle(key, rt.FileHandle.wrap_fd(fds[path]), length, int(info.get("offset", 0)))
+            else:
+                index.add_buffer(key, numpy_helper.to_array(t, base_dir=data_dir))
+        index.create_archive_file(param_path)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 if __name__ == "__main__":
