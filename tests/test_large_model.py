@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rewrite.backends import load_runner
+from rewrite.core import onnx_io
 from rewrite.pipeline import apply
 
 N, M = 16384, 33792  #: W is N x M float32: 2,214,592,512 bytes
@@ -62,6 +63,17 @@ def test_a_model_over_2gb_lowers_and_runs(big_model, tmp_path, backend):
     got = load_runner(tmp_path / "out").run({"x": x})
     np.testing.assert_array_equal(got["y"], want)
     np.testing.assert_array_equal(got["z"], want[:, :8] + np.arange(8, dtype=np.float32))
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    if backend == "iree":
+        # the weights are on disk once: the folder's model.onnx refers to its bytes in the .irpa, B moved inline
+        assert "model.onnx.data" not in files and "model.irpa" in files
+        saved = {t.name: t for t in onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph.initializer}
+        assert {e.key: e.value for e in saved["W"].external_data}["location"] == "model.irpa"
+        assert saved["B"].data_location == TensorProto.DEFAULT
+        w = onnx_io.load(tmp_path / "out" / "model.onnx").const("W")
+        assert w[0].min() == w[0].max() == 1.0 and w[N - 1, M - 1] == -2.0 and w[3, :5].tolist() == [0, 1, 2, 3, 4]
+    else:
+        assert files == ["manifest.json", "model.onnx", "model.onnx.data"]
 
 
 @pytest.mark.parametrize("broken", [False, True])

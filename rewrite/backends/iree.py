@@ -90,6 +90,44 @@ def _import_model(onnx_path: Path, graph: Graph) -> Path:
     return path
 
 
+#: bytes; an external initializer the .irpa does not hold (below the parameter threshold) that is smaller than this
+#: moves inline when the folder's model.onnx is pointed at the .irpa
+_INLINE_MAX_BYTES = 1 << 20
+
+
+def share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int, int]]) -> None:
+    """Point the initializers of the folder's ``onnx_path`` at their bytes in the ``.irpa`` (ONNX external data
+    with ``location`` = the ``.irpa``; ``spans``: name -> (offset, length) from the import), so the weights are on
+    disk once, not in ``model.onnx.data`` and again in the ``.irpa``. External initializers the ``.irpa`` does not
+    hold move inline when small; the data file is deleted once nothing refers to it."""
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    folder = onnx_path.parent
+    old_files = set()
+    for t in model.graph.initializer:
+        location = {e.key: e.value for e in t.external_data}.get("location") if t.data_location == onnx.TensorProto.EXTERNAL else None
+        if location is not None:
+            old_files.add(location)
+        if t.name in spans:
+            offset, length = spans[t.name]
+            t.ClearField("raw_data")
+            del t.external_data[:]
+            for key, val in (("location", params_path.name), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, val
+            t.data_location = onnx.TensorProto.EXTERNAL
+        elif location is not None and int({e.key: e.value for e in t.external_data}.get("length", 0)) < _INLINE_MAX_BYTES:
+            load_external_data_for_tensor(t, str(folder))
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+    still = {e.value for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+             for e in t.external_data if e.key == "location"}
+    onnx.save(model, str(onnx_path))
+    for location in old_files - still - {params_path.name}:
+        (folder / location).unlink(missing_ok=True)
+
+
 def refuse_unsupported(graph: Graph) -> None:
     """Nodes IREE 3.13 is known not to compile, refused before importing with the node and the reason (its own
     error names an internal torch op, not the ONNX node).
@@ -138,6 +176,8 @@ class IreeBackend:
         finally:
             if import_path != onnx_path:
                 import_path.unlink(missing_ok=True)
+        if res.param_spans:
+            share_params(onnx_path, res.params_path, res.param_spans)
         from rewrite.backends.iree_patch import patch_module, unlowered_ops
         from rewrite.backends.iree_stateful import make_module_stateful
         from rewrite.backends.mlir import MlirModule

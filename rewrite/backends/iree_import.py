@@ -13,6 +13,7 @@ take the caller down, and the memory of a large model is returned on exit).
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 
 import onnx
@@ -20,6 +21,12 @@ import onnx
 
 def main(argv: list[str] | None = None) -> int:
     tool = importlib.import_module("iree.compiler.tools.import_onnx.__main__")  # the importer's own steps
+    argv = list(sys.argv[1:] if argv is None else argv)
+    spans_path = None
+    if "--param-spans-to" in argv:  # ours: where each initializer's bytes landed in the .irpa (JSON)
+        k = argv.index("--param-spans-to")
+        spans_path = argv[k + 1]
+        del argv[k:k + 2]
     args = tool.parse_arguments(argv)
     model_proto = tool.load_onnx_model(args)
     context = tool.Context()
@@ -42,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.output_file, "w") as f:
         f.write(m.get_asm(enable_debug_info=True, assume_verified=True))
     if args.externalize_params and args.save_params:
-        save_params(imp.globals, imp._gi.initializer_map, param_data.data_dir, param_data.param_path)
+        spans = save_params(imp.globals, imp._gi.initializer_map, param_data.data_dir, param_data.param_path)
+        if spans_path is not None:
+            with open(spans_path, "w") as f:
+                json.dump(spans, f)
     return 0
 
 
@@ -54,11 +64,15 @@ _RAW_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto
 
 
 def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.TensorProto], data_dir: str,
-                param_path: str) -> None:
+                param_path: str) -> dict[str, list[int]]:
     """Write the ``.irpa`` of the externalized initializers, as the importer's ``save_params`` does, without holding
     the weights in memory: each external-data initializer of a plain element type is added as a span of its data
     file (``ParameterIndex.add_from_file_handle``) and the runtime copies it file to file; others (inline or 4-bit)
     are read as arrays.
+
+    Returns:
+        ``{initializer name: [offset, length]}`` of the bytes in the ``.irpa`` that are the initializer's raw data
+        (its ONNX external-data form; 4-bit types are stored unpacked and left out).
 
     Args:
         params: (initializer name, parameter key) pairs, the importer's ``globals``.
@@ -89,6 +103,11 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
     finally:
         for fd in fds.values():
             os.close(fd)
+    written = rt.ParameterIndex()
+    written.load(param_path)
+    where = {key: (entry.file_storage[1], entry.length) for key, entry in written.items()}
+    return {name: list(where[key]) for name, key in params
+            if key in where and initializers[name].data_type in _RAW_TYPES}
 
 
 if __name__ == "__main__":

@@ -22,13 +22,14 @@ Facts about the importer (iree-base-compiler 3.13) that callers rely on:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import iree.runtime as rt
@@ -85,12 +86,15 @@ class ImportResult:
         entry_function: Name of the public ``func.func`` (the ONNX graph name), unquoted; the same
             name is the function to call in the compiled module.
         stderr: The importer's stderr (warnings such as "node without a valid type proto").
+        param_spans: initializer name -> (offset, length) of its raw bytes in ``params_path`` (see
+            :func:`rewrite.backends.iree_import.save_params`); empty without parameters.
     """
 
     mlir_path: Path
     params_path: Path | None
     entry_function: str
     stderr: str
+    param_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def import_onnx(
@@ -139,6 +143,7 @@ def import_onnx(
             "--num-elements-threshold", str(param_threshold_elements),
             "--params-scope", PARAMS_SCOPE,
             "--save-params-to", str(params_path),
+            "--param-spans-to", str(params_path) + ".spans.json",
         ]
     inlined = None
     if opset_version is not None:
@@ -166,7 +171,13 @@ def import_onnx(
         entry = entry_function_name(mlir_path.read_text())
     except ValueError as e:
         raise IreeImportError(f"IREE ONNX import of {onnx_path}: {e}") from None
-    return ImportResult(mlir_path, params_path, entry, proc.stderr)
+    spans = {}
+    if params_path is not None:
+        spans_file = Path(str(params_path) + ".spans.json")
+        if spans_file.exists():
+            spans = {k: (int(o), int(n)) for k, (o, n) in json.loads(spans_file.read_text()).items()}
+            spans_file.unlink()
+    return ImportResult(mlir_path, params_path, entry, proc.stderr, spans)
 
 
 def _large_model_copy(onnx_path: Path, max_elements: int) -> Path | None:
