@@ -36,7 +36,7 @@ def export(size: str, dtype: str, work: Path) -> Path:
     if not path.exists():
         subprocess.run([sys.executable, str(ROOT / "examples" / "qwen_moe.py"), "--arch", "qwen2_moe", "--size", size,
                         "--dtype", dtype, "--weights", "seeded", "--out", str(out)], check=True,
-                       stdout=subprocess.DEVNULL)
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return path
 
 
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
             out = args.work / f"out_{size}_{be}"
             r = run_apply(model, backend, target, out, [])
             rows.append((size, be, gb, r))
-            print(f"{size:5} {be:9} weights {gb:7.2f} GB  apply {r['seconds']:7.1f} s  peak RSS {r['peak_mb'] / 1024:6.2f} GiB"
+            print(f"{size:5} {be:9} weights {gb:7.3f} GB  apply {r['seconds']:7.1f} s  peak RSS {r['peak_mb'] / 1024:6.2f} GiB"
                   f"  peak/weights {r['peak_mb'] * 2**20 / 1e9 / gb:6.3f}", flush=True)
             for s in r["stages"]:
                 print(f"      {s['name']:22} {s['seconds']:8.2f} s  rss {s['rss_mb'] / 1024:6.2f} GiB  "
@@ -90,7 +90,7 @@ def main(argv=None) -> None:
                 shutil.rmtree(out, ignore_errors=True)
     print("\nsize  backend   weights GB  apply s  peak GiB  peak/weights")
     for size, be, gb, r in rows:
-        print(f"{size:5} {be:9} {gb:10.2f} {r['seconds']:8.1f} {r['peak_mb'] / 1024:9.2f} {r['peak_mb'] * 2**20 / 1e9 / gb:13.3f}")
+        print(f"{size:5} {be:9} {gb:10.3f} {r['seconds']:8.1f} {r['peak_mb'] / 1024:9.2f} {r['peak_mb'] * 2**20 / 1e9 / gb:13.3f}")
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def tensor_values(seed: int, slot: TensorSlot) -> np.ndarray:
 
 def write(path: str | os.PathLike, slots: Sequence[TensorSlot], seed: int, *, threads: int | None = None,
           progress=None, derived: dict[str, Sequence] | None = None) -> int:
-    """Write every slot's tensor into ``path`` at its offset (the file is created or extended to the layout's size;
+    """Write every slot's tensor into ``path`` at its offset (the file is created, or emptied, at the layout's size;
     bytes outside the slots are zero). Tensors are written in parallel, each by one thread in `CHUNK` pieces, so
     memory stays at a few chunks per thread.
 
@@ -152,7 +152,8 @@ def write(path: str | os.PathLike, slots: Sequence[TensorSlot], seed: int, *, th
     size = end + (-end) % ALIGN
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.ftruncate(fd, max(size, os.fstat(fd).st_size))
+        os.ftruncate(fd, 0)  # every byte outside the slots is zero, whatever the file held before
+        os.ftruncate(fd, size)
 
         def one(slot: TensorSlot) -> None:
             pos = slot.offset
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     regen = sub.add_parser("regenerate", help="write the external data a weightless model.onnx references")
     regen.add_argument("model", type=Path)
-    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--seed", type=int, default=None, help="default: the seed recorded in the model")
     regen.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     for path in regenerate(args.model, args.seed, threads=args.threads):

@@ -188,6 +188,8 @@ class Generator:
         Returns:
             ``len(tokens)`` logits arrays, ``[1, len(prompt), vocab]`` then ``[1, 1, vocab]`` each.
         """
+        if not tokens:
+            return []
         self.reset()
         out = [self.step(np.array([prompt_ids], np.int64))]
         for t in tokens[:-1]:

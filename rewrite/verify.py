@@ -67,9 +67,13 @@ def compare(name: str, got: np.ndarray, ref: np.ndarray, rtol: float | None = No
     got, ref = np.asarray(got), np.asarray(ref)
     dt = onnx.helper.np_dtype_to_tensor_dtype(ref.dtype) if ref.dtype != object else 0
     kind = {"b": "b", "i": "i", "u": "i", "f": "f"}
-    if got.shape != ref.shape or kind.get(got.dtype.kind) != kind.get(ref.dtype.kind):
+
+    def kind_of(dtype: np.dtype) -> str | None:  # bfloat16 (ml_dtypes) has numpy kind "V"
+        return "f" if dtype.kind == "V" and dtype.itemsize == 2 and "bfloat16" in str(dtype) else kind.get(dtype.kind)
+
+    if got.shape != ref.shape or kind_of(got.dtype) != kind_of(ref.dtype):
         return Comparison(name, dtype_name(dt), ref.shape, float("inf"), float("inf"), 0.0, False)
-    if not np.issubdtype(ref.dtype, np.floating):
+    if kind_of(ref.dtype) != "f":
         diff = int(np.count_nonzero(got != ref))
         max_abs = float(np.abs(got.astype(np.float64) - ref.astype(np.float64)).max()) if diff else 0.0
         return Comparison(name, dtype_name(dt), ref.shape, max_abs, float(diff > 0), 0.0, diff == 0, diff)

@@ -291,3 +291,8 @@ def test_params_written_file_to_file_equal_the_importers(tmp_path):
     assert sorted(got) == sorted(want) and len(got) == 4
     for k in want:
         assert got[k] == want[k], k
+    # the spans the folder's model.onnx is pointed at hold each initializer's ONNX raw bytes
+    assert sorted(ours.param_spans) == sorted(arrays)
+    blob = (tmp_path / "ours.irpa").read_bytes()
+    for name, (offset, length) in ours.param_spans.items():
+        assert blob[offset:offset + length] == arrays[name].tobytes(), name

@@ -54,8 +54,9 @@ def test_add_initializer_spills_large_tensors_only(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["ort", "iree"])
 def test_spilled_quant4_output_equals_the_unspilled_one(tmp_path, monkeypatch, backend):
-    """quant4's codes and scales spilled: the saved folder is byte-identical to the one made in memory, holds its
-    data inline (the source had no external data) and refers to no spill file."""
+    """quant4's codes and scales spilled: the saved folder is byte-identical to the one made in memory and refers
+    to no spill file (the source had no external data: an ort folder holds its data inline, an iree folder's
+    model.onnx refers to the bytes in its model.irpa)."""
     src = tmp_path / "m.onnx"
     onnx.save(_dense_model(), src)
     plugins = "quant4,legalize" if backend == "iree" else "quant4"
@@ -64,12 +65,30 @@ def test_spilled_quant4_output_equals_the_unspilled_one(tmp_path, monkeypatch, b
     apply(src, tmp_path / "spilled", plugins=plugins, backend=backend)
     a, b = (onnx.load(str(tmp_path / d / "model.onnx"), load_external_data=False) for d in ("mem", "spilled"))
     assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
-    assert not any(t.data_location == TensorProto.EXTERNAL for t in b.graph.initializer)
+    locations = {e.value for t in b.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == (set() if backend == "ort" else {"model.irpa"})
     assert sorted(os.listdir(tmp_path / "mem")) == sorted(os.listdir(tmp_path / "spilled"))
     if backend == "ort":
         x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
         np.testing.assert_array_equal(_outputs(tmp_path / "spilled" / "model.onnx", x),
                                       _outputs(tmp_path / "mem" / "model.onnx", x))
+
+
+def test_spill_folder_is_configurable_and_stale_ones_go(tmp_path, monkeypatch):
+    """REWRITE_SPILL_DIR picks the parent; a folder left by a process that no longer exists is removed."""
+    import subprocess as sp
+
+    dead = sp.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f"rewrite-spill-{dead}-abc"
+    stale.mkdir()
+    (stale / "spill.bin").write_bytes(b"x")
+    script = ("import numpy as np\nfrom rewrite.core.ir import Graph\nfrom rewrite.core import spill\n"
+              "v = Graph().add_initializer('big', np.zeros(spill.SPILL_MIN_BYTES, np.uint8))\nprint(v.base_dir)\n")
+    proc = sp.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                  env={**os.environ, "REWRITE_SPILL_DIR": str(tmp_path)})
+    assert Path(proc.stdout.strip()).parent == tmp_path, proc.stderr
+    assert not stale.exists()
+    assert list(tmp_path.glob("rewrite-spill-*")) == []  # its own went at exit
 
 
 def test_spilled_tensors_stream_into_an_external_output(tmp_path, monkeypatch):

@@ -100,6 +100,13 @@ def share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int,
     with ``location`` = the ``.irpa``; ``spans``: name -> (offset, length) from the import), so the weights are on
     disk once, not in ``model.onnx.data`` and again in the ``.irpa``. External initializers the ``.irpa`` does not
     hold move inline when small; the data file is deleted once nothing refers to it."""
+    try:
+        _share_params(onnx_path, params_path, spans)
+    except OSError as e:
+        raise BackendError(f"{onnx_path}: cannot point its initializers at {params_path.name} ({e})") from e
+
+
+def _share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int, int]]) -> None:
     from onnx.external_data_helper import load_external_data_for_tensor
 
     model = onnx.load(str(onnx_path), load_external_data=False)

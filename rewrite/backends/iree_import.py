@@ -16,6 +16,7 @@ import importlib
 import json
 import sys
 
+import numpy as np
 import onnx
 
 
@@ -95,7 +96,8 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
                 path = os.path.join(data_dir, info["location"])
                 if path not in fds:
                     fds[path] = os.open(path, os.O_RDONLY)
-                length = int(info["length"]) if "length" in info else os.path.getsize(path) - int(info.get("offset", 0))
+                n = int(np.prod(t.dims, dtype=np.int64))
+                length = int(info["length"]) if "length" in info else n * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
                 index.add_from_file_handle(key, rt.FileHandle.wrap_fd(fds[path]), length, int(info.get("offset", 0)))
             else:
                 index.add_buffer(key, numpy_helper.to_array(t, base_dir=data_dir))

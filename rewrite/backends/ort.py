@@ -139,8 +139,8 @@ CHECK_WEIGHTS_MAX_BYTES = 2 << 30
 def check_loads(graph: Graph, path: Path, session: dict) -> None:
     """Fail at apply time, not at run time, if ONNX Runtime cannot load the folder's model ``path`` (on CPU: this
     machine may have no GPU). Models with more than :data:`CHECK_WEIGHTS_MAX_BYTES` of weights are checked as
-    their skeleton (``onnx_io.to_model(skeleton_bytes=...)``): ops, attributes, types and shapes are what ORT
-    validates at load, and those are the same.
+    their skeleton (``onnx_io.to_model(skeleton_bytes=...)``): ops, attributes, types and shapes are checked as for
+    the whole model; the weights' data is not read (``onnx_io.save`` checked each external span as it copied it).
 
     Raises:
         BackendError: ORT's first message line.
@@ -151,7 +151,10 @@ def check_loads(graph: Graph, path: Path, session: dict) -> None:
         return
     skeleton = path.with_name(".ort-check.onnx")
     try:
-        onnx.save(onnx_io.to_model(graph, skeleton_bytes=SKELETON_MAX_BYTES), str(skeleton))
+        try:
+            onnx.save(onnx_io.to_model(graph, skeleton_bytes=SKELETON_MAX_BYTES), str(skeleton))
+        except OSError as e:
+            raise BackendError(f"{skeleton}: cannot write the load-check skeleton ({e.strerror})") from e
         ort_session(skeleton, optimize=session["optimize"], config=session["config"])
     except BackendError as e:
         raise BackendError(str(e).replace(str(skeleton), str(path))) from None

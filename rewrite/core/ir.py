@@ -193,11 +193,12 @@ class Node:
 def _stored(name: str, array: np.ndarray) -> tuple[onnx.TensorProto, str, np.ndarray | None]:
     """(TensorProto, base_dir, in-memory cache) for new initializer data: spilled to disk when large."""
     array = np.asarray(array)
-    t = numpy_helper.from_array(array, name)
     if array.nbytes >= spill.SPILL_MIN_BYTES:
-        t, base_dir = spill.spill_tensor(t)
-        return t, base_dir, None
-    return t, "", array
+        spilled = spill.spill_array(name, array)  # straight from the array: no serialized copy in memory
+        if spilled is None:
+            spilled = spill.spill_tensor(numpy_helper.from_array(array, name))
+        return spilled[0], spilled[1], None
+    return numpy_helper.from_array(array, name), "", array
 
 
 def _copy_proto(m: onnx.ModelProto) -> onnx.ModelProto:

@@ -276,9 +276,10 @@ def to_model(g: Graph, *, skeleton_bytes: int | None = None) -> onnx.ModelProto:
 
 
 def tensor_nbytes(t: onnx.TensorProto) -> int:
-    """Bytes of a tensor's data: its external ``length``, or the serialized size of data held inside the model."""
+    """Bytes of a tensor's data: its external length (the ``length`` key, else what its dims and type need), or the
+    serialized size of data held inside the model."""
     if t.data_location == onnx.TensorProto.EXTERNAL:
-        return int({e.key: e.value for e in t.external_data}.get("length", 0))
+        return spill.external_info(t)[2] or 0
     return t.ByteSize()
 
 
@@ -316,16 +317,16 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None) -> 
                 advance(tensor_nbytes(t))
                 src = g.values[t.name]
                 if t.data_location == onnx.TensorProto.EXTERNAL:
-                    info = {e.key: e.value for e in t.external_data}
-                    off, length = int(info.get("offset", 0)), int(info.get("length", 0))
-                    with open(os.path.join(src.base_dir, info["location"]), "rb") as f:
+                    location, off, length = spill.external_info(t)
+                    length = length or 0
+                    with open(os.path.join(src.base_dir, location), "rb") as f:
                         f.seek(off)
                         start = out.tell()
                         left = length
                         while left > 0:
                             chunk = f.read(min(left, 64 << 20))
                             if not chunk:
-                                raise RewriteError(f"external data of '{t.name}' ends early in {info['location']}")
+                                raise RewriteError(f"external data of '{t.name}' ends early in {location}")
                             out.write(chunk)
                             left -= len(chunk)
                     t_new = onnx.TensorProto()

@@ -9,8 +9,10 @@ every large tensor in a file and holds only its TensorProto with an external-dat
 - tensors a plugin creates of `SPILL_MIN_BYTES` or more are appended to one spill file per process
   (`spill_tensor`) as they are made, and the in-memory copy is dropped.
 
-The spill folder is removed when the process exits (normally, on an exception, or on SIGTERM/SIGHUP, which the
-command line turns into SystemExit); `onnx_io.save` stream-copies spilled tensors into the output's data file.
+The spill folder (``rewrite-spill-<pid>-*`` in `spill_folder_parent`) is removed when the process exits (normally,
+on an exception, or on SIGTERM/SIGHUP, which the command line turns into SystemExit); the folder of a process killed
+outright is removed by the next process that spills. `onnx_io.save` stream-copies spilled tensors into the output's
+data file.
 """
 from __future__ import annotations
 
@@ -30,28 +32,111 @@ from rewrite.errors import RewriteError
 #: bytes; a tensor a plugin creates at least this large goes to the spill file instead of memory
 SPILL_MIN_BYTES = 16 << 20
 _ALIGN = 4096  # page-aligned tensors: memory maps of them start on a page
+#: element types whose ONNX bytes are not numpy's (4-bit codes two per byte, strings)
+_PACKED = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.STRING)
 
 _lock = threading.Lock()
 _spill: dict[str, object] = {}
 
 
+def spill_folder_parent() -> str:
+    """Where spill folders are made: ``$REWRITE_SPILL_DIR``, else the system's temporary directory (on a machine
+    whose ``/tmp`` is in memory, tmpfs, set it to a disk)."""
+    return os.environ.get("REWRITE_SPILL_DIR") or tempfile.gettempdir()
+
+
 def _spill_file() -> tuple[Path, object]:
-    """(path, open binary file) of this process's spill file, created on first use."""
+    """(path, open binary file) of this process's spill file, created on first use (and stale folders of processes
+    that died without cleaning up, SIGKILL or out of memory, removed).
+
+    Raises:
+        RewriteError: the folder or file cannot be made.
+    """
     with _lock:
         if _spill.get("pid") != os.getpid():  # a forked child writes its own file
-            folder = Path(tempfile.mkdtemp(prefix="rewrite-spill-"))
-            path = folder / "spill.bin"
-            _spill.update(pid=os.getpid(), folder=folder, path=path, file=open(path, "w+b"))  # noqa: SIM115
+            parent = spill_folder_parent()
+            _remove_stale(parent)
+            try:
+                folder = Path(tempfile.mkdtemp(prefix=f"rewrite-spill-{os.getpid()}-", dir=parent))
+                path = folder / "spill.bin"
+                f = open(path, "w+b")  # noqa: SIM115 - closed at exit
+            except OSError as e:
+                raise RewriteError(f"cannot create a spill file in {parent} ({e.strerror}); set REWRITE_SPILL_DIR "
+                                   "to a folder with free space") from e
+            _spill.update(pid=os.getpid(), folder=folder, path=path, file=f)
             atexit.register(_remove, folder, os.getpid())
         return _spill["path"], _spill["file"]
 
 
+def _remove_stale(parent: str) -> None:
+    for d in Path(parent).glob("rewrite-spill-*-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:  # another user's live process
+            pass
+
+
 def _remove(folder: Path, pid: int) -> None:
-    if os.getpid() == pid:
+    if os.getpid() != pid:
+        return
+    try:
         f = _spill.get("file")
         if f is not None and _spill.get("folder") == folder:
             f.close()
+    except OSError:  # a full disk fails the close too; the folder goes all the same
+        pass
+    finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _append(name: str, data) -> tuple[Path, int, int]:
+    """Append ``data`` (bytes-like) to the spill file at a page boundary; (path, offset, length)."""
+    path, f = _spill_file()
+    view = memoryview(data).cast("B")
+    with _lock:
+        try:
+            f.seek(0, os.SEEK_END)
+            start = f.tell()
+            start += (-start) % _ALIGN
+            f.seek(start)
+            f.write(view)
+            f.flush()
+        except OSError as e:
+            raise RewriteError(f"initializer '{name}': cannot write {view.nbytes} bytes to the spill file {path} "
+                               f"({e.strerror}); set REWRITE_SPILL_DIR to a folder with free space") from e
+    return path, start, view.nbytes
+
+
+def _external_proto(name: str, data_type: int, dims, path: Path, start: int, length: int) -> onnx.TensorProto:
+    out = onnx.TensorProto(name=name, data_type=data_type, dims=dims)
+    for key, val in (("location", path.name), ("offset", str(start)), ("length", str(length))):
+        entry = out.external_data.add()
+        entry.key, entry.value = key, val
+    out.data_location = onnx.TensorProto.EXTERNAL
+    return out
+
+
+def spill_array(name: str, array: np.ndarray) -> tuple[onnx.TensorProto, str] | None:
+    """Write ``array``'s bytes to the spill file without another copy in memory, for element types whose numpy
+    bytes are ONNX's raw data (not 4-bit, string or object); None for others (use `spill_tensor`).
+
+    Returns:
+        (an external-data TensorProto named ``name``, the folder its ``location`` is relative to).
+    """
+    try:
+        data_type = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if data_type in _PACKED or array.dtype.hasobject or array.dtype.byteorder == ">":
+        return None
+    path, start, length = _append(name, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return _external_proto(name, data_type, array.shape, path, start, length), str(path.parent)
 
 
 def spill_tensor(tensor: onnx.TensorProto) -> tuple[onnx.TensorProto, str]:
@@ -66,39 +151,35 @@ def spill_tensor(tensor: onnx.TensorProto) -> tuple[onnx.TensorProto, str]:
     """
     if not tensor.HasField("raw_data"):
         return tensor, ""
-    path, f = _spill_file()
-    with _lock:
-        try:
-            f.seek(0, os.SEEK_END)
-            start = f.tell()
-            start += (-start) % _ALIGN
-            f.seek(start)
-            f.write(tensor.raw_data)
-            f.flush()
-        except OSError as e:
-            raise RewriteError(f"initializer '{tensor.name}': cannot write {len(tensor.raw_data)} bytes to the spill "
-                               f"file {path} ({e.strerror})") from e
+    path, start, length = _append(tensor.name, tensor.raw_data)
     # a new message, not CopyFrom + ClearField: protobuf's arena would keep the copied raw_data until the message dies
-    out = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims, doc_string=tensor.doc_string)
+    out = _external_proto(tensor.name, tensor.data_type, tensor.dims, path, start, length)
+    out.doc_string = tensor.doc_string
     out.metadata_props.extend(tensor.metadata_props)
-    for key, val in (("location", path.name), ("offset", str(start)), ("length", str(len(tensor.raw_data)))):
-        entry = out.external_data.add()
-        entry.key, entry.value = key, val
-    out.data_location = onnx.TensorProto.EXTERNAL
     return out, str(path.parent)
 
 
 def is_spilled(tensor: onnx.TensorProto, base_dir: str) -> bool:
     """Whether ``tensor`` refers to this process's spill file (not to a source model's data)."""
     folder = _spill.get("folder")
-    return (folder is not None and tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir
-            and Path(base_dir) == folder)
+    return bool(folder is not None and tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir
+                and Path(base_dir) == folder)
 
 
 def external_info(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
-    """(location, offset, length or None) of an external-data tensor."""
+    """(location, offset, length) of an external-data tensor; without a ``length`` key (optional in ONNX) the
+    length its dims and element type need, or None for 4-bit and string types."""
     info = {e.key: e.value for e in tensor.external_data}
     length = info.get("length")
+    if length is None and tensor.data_type not in _PACKED:
+        try:
+            item = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+            length = int(np.prod(tensor.dims, dtype=np.int64)) * item
+        except (KeyError, TypeError, ValueError):
+            length = None
+    elif length is None:
+        n = int(np.prod(tensor.dims, dtype=np.int64))
+        length = (n + 1) // 2 if tensor.data_type != onnx.TensorProto.STRING else None
     return info["location"], int(info.get("offset", 0)), None if length is None else int(length)
 
 
@@ -116,8 +197,7 @@ def read_external(tensor: onnx.TensorProto, base_dir: str) -> np.ndarray:
         np_dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
     except (KeyError, TypeError, ValueError):
         np_dtype = None
-    packed = tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1,
-                                  onnx.TensorProto.STRING)
+    packed = tensor.data_type in _PACKED
     try:
         if np_dtype is None or packed:
             return numpy_helper.to_array(tensor, base_dir)

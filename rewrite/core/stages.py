@@ -10,7 +10,8 @@ them takes a progress argument::
 
 Each finished stage becomes a `StageRecord`: seconds, the resident set size at its end and the process's peak
 resident set size so far (``getrusage``'s ``ru_maxrss``: a stage that raised it shows the new peak), and the peak of
-finished child processes (iree-compile, IREE's importer) the same way.
+finished child processes (iree-compile, IREE's importer) the same way. A child's peak is at least this process's
+resident size when it was forked: Linux counts the child's pages from the fork, before it execs.
 """
 from __future__ import annotations
 
