@@ -73,7 +73,7 @@ def test_values_do_not_depend_on_threads_or_order(tmp_path):
     # uniform with the stated std: router decisive, the rest small
     assert 0.4 < router.std() < 0.6 and 0.015 < dense.std() < 0.025
     # bfloat16 is the float32 value rounded to nearest even (torch's conversion)
-    want = torch.from_numpy(_float32_values(1, slots[1])).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    want = torch.from_numpy(_float32_values(1, slots[1]).copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     got = np.fromfile(tmp_path / "one", np.uint16, count=5000, offset=slots[1].offset)
     np.testing.assert_array_equal(got, want.reshape(-1))
 
