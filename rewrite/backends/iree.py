@@ -19,7 +19,7 @@ from onnx import numpy_helper
 
 from rewrite.backends.base import Manifest, check_feeds
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
-from rewrite.core import onnx_io
+from rewrite.core import onnx_io, spill
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.analysis import REDUCE_OPS, known_before_run
 from rewrite.core.feeds import input_specs, specs_of
@@ -124,7 +124,7 @@ def _share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int
                 entry = t.external_data.add()
                 entry.key, entry.value = key, val
             t.data_location = onnx.TensorProto.EXTERNAL
-        elif location is not None and int({e.key: e.value for e in t.external_data}.get("length", 0)) < _INLINE_MAX_BYTES:
+        elif location is not None and (spill.external_info(t)[2] or _INLINE_MAX_BYTES) < _INLINE_MAX_BYTES:
             load_external_data_for_tensor(t, str(folder))
             t.data_location = onnx.TensorProto.DEFAULT
             del t.external_data[:]
