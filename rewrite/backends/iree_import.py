@@ -16,8 +16,9 @@ import importlib
 import json
 import sys
 
-import numpy as np
 import onnx
+
+from rewrite.core.spill import external_info
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,13 +93,11 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
         for name, key in params:
             t = initializers[name]
             if t.data_location == onnx.TensorProto.EXTERNAL and t.data_type in _RAW_TYPES:
-                info = {e.key: e.value for e in t.external_data}
-                path = os.path.join(data_dir, info["location"])
+                location, offset, length = external_info(t)
+                path = os.path.join(data_dir, location)
                 if path not in fds:
                     fds[path] = os.open(path, os.O_RDONLY)
-                n = int(np.prod(t.dims, dtype=np.int64))
-                length = int(info["length"]) if "length" in info else n * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-                index.add_from_file_handle(key, rt.FileHandle.wrap_fd(fds[path]), length, int(info.get("offset", 0)))
+                index.add_from_file_handle(key, rt.FileHandle.wrap_fd(fds[path]), length, offset)
             else:
                 index.add_buffer(key, numpy_helper.to_array(t, base_dir=data_dir))
         index.create_archive_file(param_path)
