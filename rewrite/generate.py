@@ -36,7 +36,16 @@ SEQ_AXIS = 2  #: sequence axis of a cache tensor when the manifest does not reco
 
 
 class GenerationError(RewriteError):
-    """A generation request the model cannot serve (past the cache's positions, bad prompt, unknown input)."""
+    """A generation request the model cannot serve (past the cache's positions, bad prompt, unknown input).
+
+    Attributes:
+        positions: when the graph itself cannot go further, the positions it served (prompt included), so a
+            caller can compare that many; None otherwise.
+    """
+
+    def __init__(self, message: str, positions: int | None = None):
+        super().__init__(message)
+        self.positions = positions
 
 
 @dataclass
@@ -104,6 +113,16 @@ class Generator:
         for p in iface.pairs:
             if p.kind == "state" and any(not isinstance(d, int) for d in p.shape):
                 raise GenerationError(f"{where}: state input '{p.past}' has a dynamic shape {list(p.shape)}; cannot start it")
+        width = self.specs[iface.input_ids].shape
+        self.fixed_width = width[1] if width and len(width) == 2 and isinstance(width[1], int) else None
+        # past inputs the export declares with one symbolic dim: their fed-back sizes must stay equal
+        self.tied: dict[str, list[tuple[str, int]]] = {}
+        for p in iface.pairs:
+            shape = self.specs[p.past].shape or ()
+            for axis, d in enumerate(shape):
+                if isinstance(d, str):
+                    self.tied.setdefault(d, []).append((p.past, axis))
+        self.tied = {d: uses for d, uses in self.tied.items() if len(uses) > 1}
         self.max_seq = self._max_seq()
         self.recompute = self.state is None and not self.pairs and iface.seq_position is None
         self.reset()
@@ -131,18 +150,34 @@ class Generator:
         """Run the model on token ids ``[1, n]`` at the current position; returns logits ``[1, n, vocab]``.
 
         Raises:
-            GenerationError: the tokens would be written past the cache's ``max_seq`` positions.
+            GenerationError: the tokens would be written past the cache's ``max_seq`` positions; the export
+                fixes the number of tokens per call at another count; or the model returned caches of
+                different lengths for past inputs that its export declares with one dim (``positions``: the
+                positions served before).
         """
         ids = np.asarray(ids, np.int64).reshape(1, -1)
         n = ids.shape[1]
         if self.max_seq is not None and self.position + n > self.max_seq:
             raise GenerationError(f"position {self.position} + {n} token(s) exceeds the cache's {self.max_seq} positions (--max-seq); call reset()")
+        for dim, uses in self.tied.items():
+            sizes = {name: self.past[name].shape[axis] for name, axis in uses}
+            if len(set(sizes.values())) > 1:
+                (a, sa), (b, sb) = next(((x, y) for x in sizes.items() for y in sizes.items() if x[1] != y[1]))
+                raise GenerationError(
+                    f"after {self.position} positions the model returned {sa} for '{a}' and {sb} for '{b}', but its "
+                    f"export declares both with one dim '{dim}' (traced equal, as a sliding-window layer beside "
+                    f"full-attention layers is before its window fills): the graph serves {self.position} positions, no more; re-export with one "
+                    "past dim per layer", positions=self.position)
         iface = self.interface
         start = self.position
+        width = self.context.shape[1] + n if self.recompute else n
+        if self.fixed_width is not None and width != self.fixed_width:
+            raise GenerationError(f"input '{iface.input_ids}' takes exactly {self.fixed_width} token(s) per call "
+                                  f"(the export fixed its sequence dim), this call has {width}: a prefill of the "
+                                  "prompt and one-token decode steps need a dynamic sequence dim; re-export with one")
         if self.recompute:  # no cache: run the whole sequence so far, keep the new tokens' logits
             self.context = ids = np.concatenate([self.context, ids], axis=1)
             start = 0
-        width = ids.shape[1]
         feeds = {iface.input_ids: ids.astype(self.specs[iface.input_ids].np_dtype)}
         if iface.seq_position:
             feeds[iface.seq_position] = np.array([start], self.specs[iface.seq_position].np_dtype)

@@ -50,3 +50,46 @@ def test_router_without_top_k_is_refused_and_its_experts_still_fuse_exactly(tmp_
     assert (row.topk, row.moe) == (0, 2)
     assert row.reason == "topk/grouped-router: 'getitem_1' is output 0 of 'node_max_1__1' (ArgMax), pattern wants output 1"
     assert row.verify == {"ort": "pass", "iree": "pass"} and row.tokens == {"ort": "equal", "iree": "equal"}
+
+
+@pytest.mark.slow
+def test_index_add_experts_fuse(tmp_path):
+    """JetMoE sorts the (token, expert) pairs by expert, runs one Gemm per expert on its slice and adds the
+    weighted outputs into the token rows with ``ScatterND(reduction="add")``: ``fused-moe-index-add`` proves it
+    equal to FusedMoE (its integer division, ``Floor`` of floats cast from ids, is exact). Its attention experts
+    (MoA) keep their routers fused by ``topk`` and their experts as they are; IREE is not asserted: its compiler
+    refuses the dynamic-size sort of the attention experts."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = coverage_matrix.run_row(coverage_matrix.Row("jetmoe", "hf", "batched_mm", "fp32"), tmp_path, steps=16)
+    assert row.moe_layers == 2
+    assert (row.topk, row.moe) == (4, 2), row.reason  # 2 MoE routers and 2 attention-expert routers
+    assert row.verify["ort"] == "pass" and row.tokens["ort"] == "equal"
+
+
+@pytest.mark.slow
+def test_export_that_ties_sliding_and_full_past_lengths_is_compared_as_far_as_it_decodes(tmp_path):
+    """gpt-oss through ``torch.onnx.export(dynamo=True)`` declares every layer's past with one dim ``past``; its
+    sliding-window layer stops growing at 15 positions while the full layer grows, and the graph then fails
+    inside ONNX Runtime. ``generate`` stops before that call with the positions served, and the matrix compares
+    the 12 tokens the export can decode."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = coverage_matrix.run_row(coverage_matrix.Row("gpt_oss", "dynamo", "batched_mm", "fp32"), tmp_path, steps=16)
+    assert (row.topk, row.moe) == (2, 2)
+    assert row.reason.startswith("generate: after 16 positions the model returned 15 for 'past_key_values.0.key' and 16 "
+                                 "for 'past_key_values.1.key'"), row.reason
+    assert row.reason.endswith("(12 steps compared)")
+    assert row.verify == {"ort": "pass", "iree": "pass"} and row.tokens == {"ort": "equal", "iree": "equal"}
+
+
+@pytest.mark.slow
+def test_export_with_a_fixed_token_count_is_verified_and_refused_by_generate(tmp_path):
+    """Jamba through transformers' exporter fixes ``input_ids`` at 2 tokens per call (a dim named "2"):
+    ``verify`` feeds that and passes on both backends; ``generate`` refuses a 5-token prefill with one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = coverage_matrix.run_row(coverage_matrix.Row("jamba", "hf", "batched_mm", "fp32"), tmp_path, steps=16)
+    assert (row.topk, row.moe) == (2, 2)
+    assert row.reason.startswith("generate: input 'input_ids' takes exactly 2 token(s) per call"), row.reason
+    assert row.verify == {"ort": "pass", "iree": "pass"} and row.tokens == {}

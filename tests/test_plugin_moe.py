@@ -420,6 +420,7 @@ def test_grouped_mm_experts_fuse_by_value(tmp_path, qwen2_moe_tiny_grouped_mm):
 @pytest.mark.parametrize("activation, refusal", [
     ("Tanh", "no FusedMoE reading reproduces the region"),                   # x * tanh(x): checked, differs
     ("Relu", "'node_Sigmoid_626' (Relu) applies a threshold to float data"),  # not even checked
+    ("Floor", "'node_Sigmoid_626' (Floor) applies a threshold to float data"),  # rounding of activations, not ids
 ])
 def test_region_that_computes_something_else_is_refused(tmp_path, qwen2_moe_tiny_grouped_mm, activation, refusal):
     """Layer 1's expert activation x * sigmoid(x) changed to x * tanh(x) or x * relu(x): that region is refused

@@ -7,7 +7,9 @@ Rules (patterns in :mod:`rewrite.plugins.moe.patterns`, the op and its lowerings
   them (fp32/fp16; float stacks or ``quant4``'s INT4 stacks);
 * ``fused-moe-seed-int4``: the seed's INT4 form, DequantizeLinear or after ``legalize``;
 * ``fused-moe-by-value`` (tried last): any region that ends in the per-token sum over the k experts and passes
-  the numerical check of :mod:`rewrite.plugins.moe.semantic` (transformers' default ``grouped_mm`` experts).
+  the numerical check of :mod:`rewrite.plugins.moe.semantic` (transformers' default ``grouped_mm`` experts);
+* ``fused-moe-index-add`` (tried last): the same check for a region whose weighted expert outputs are added
+  into their tokens' rows by ``ScatterND(zeros, ids, ., reduction="add")`` (JetMoE's ``index_add``).
 
 All accept the router as the raw Softmax/TopK chain or as the ``topk`` plugin's ``MoERouterTopK``, so
 ``--plugins moe`` works alone and after ``topk``. The shared expert (Qwen1.5-MoE) is not part of the match and
@@ -22,7 +24,7 @@ from onnx import TensorProto, helper
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
 from rewrite.core.matcher import Match, Matcher
-from rewrite.core.pattern import Const, Var
+from rewrite.core.pattern import AttrVar, Const, Var
 from rewrite.core.rules import rule
 from rewrite.core.shape_eval import shape_elements
 from rewrite.plugins.base import KernelObject, Plugin
@@ -197,7 +199,46 @@ def _(m):
     m.extra_nodes = proven.region
 
 
+@rule("fused-moe-index-add", benefit=1)
+def fused_moe_index_add(op, zeros, index, pairs):
+    """Routed experts whose outputs, weighted, are added into their tokens' rows (JetMoE: tokens sorted by
+    expert, one Gemm per expert on its slice, ``index_add``), proved equal to FusedMoE on random inputs
+    (rewrite.plugins.moe.semantic); k is the router's."""
+    return op.ScatterND(zeros, index, pairs, reduction=AttrVar("reduction", default="none"), _name="sum")
+
+
+def _is_zeros(graph, value: str) -> bool:
+    """``value`` is zeros: a constant of zeros, or an Expand / ConstantOfShape of one."""
+    node = graph.producer_node(value)
+    if node is not None and node.op_type == "Expand":
+        value, node = node.inputs[0], graph.producer_node(node.inputs[0])
+    if node is not None and node.op_type == "ConstantOfShape":
+        fill = node.attr("value")
+        return fill is None or not np.any(fill)
+    c = graph.const(value)
+    return c is not None and not np.any(c)
+
+
+@fused_moe_index_add.check
+def _(m):
+    node = m.node("sum")
+    if node.attr("reduction", "none") != "add":
+        return f"{node.describe()} has reduction={node.attr('reduction', 'none')}, pattern wants add"
+    if not _is_zeros(m.graph, m["zeros"]):
+        return f"'{m['zeros']}' (the rows added into) is not zeros"
+    out = m.graph.values[node.outputs[0]]
+    iv = m.graph.values[m["index"]]
+    if out.rank != 2 or iv.rank != 2 or iv.shape[1] != 1:
+        return f"{node.describe()} writes {out.type_str()} at indices {iv.type_str()}: expected rows [T, H] at [N, 1]"
+    proven = prove_fused_moe(m.graph, node, m["pairs"], k=None)
+    if isinstance(proven, str):
+        return proven
+    m.found["proven"] = proven
+    m.extra_nodes = proven.region
+
+
 @fused_moe_by_value.rewrite
+@fused_moe_index_add.rewrite
 def _(m, b):
     p = m.found["proven"]
     g = m.graph
@@ -319,7 +360,7 @@ class MoE(Plugin):
 
     @property
     def rules(self):
-        return [fused_moe_hf, fused_moe_seed, fused_moe_by_value]
+        return [fused_moe_hf, fused_moe_seed, fused_moe_by_value, fused_moe_index_add]
 
     @property
     def abstract_ops(self):

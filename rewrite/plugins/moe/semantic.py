@@ -4,7 +4,8 @@ transformers' default experts implementation (``grouped_mm``) exports the routed
 (token, expert) pairs by expert, one MatMul per expert on its slice of the sorted tokens, a Concat, and an
 inverse permutation; the number of nodes grows with the number of experts. Instead of a pattern per spelling,
 :func:`prove_fused_moe` takes the region that ends at the per-token sum over the k selected experts
-(``ReduceSum(Reshape(pairs, [T, k, H]), axes=[1])``) and
+(``ReduceSum(Reshape(pairs, [T, k, H]), axes=[1])``, or JetMoE's index-add of the expert outputs into the token
+rows, ``ScatterND(zeros [T, H], token ids, pairs, reduction="add")``) and
 
 1. finds the router nearest the sum: a TopK (``largest=1``) over ``Softmax(logits)`` or over ``logits``, or
    ``topk``'s ``MoERouterTopK`` (whose routing is then known), with ``logits = MatMul/Gemm(hidden, W)``;
@@ -15,8 +16,9 @@ inverse permutation; the number of nodes grows with the number of experts. Inste
 2. collects the region: every node between the cut (``hidden``, and ``logits`` or the weights and ids) and
    the sum (it may read graph inputs only through ``Shape``), its stacked expert weights (rank-3
    initializers with E as the first dim) and expert biases (rank 2, E first);
-3. refuses regions that compare, clamp or round float data (thresholds random inputs may never reach),
-   except a SwiGLU clamp: ``Clip``/``Min``/``Max`` with constant bounds of one magnitude ``limit``, accepted
+3. refuses regions that compare, clamp or round float data (thresholds random inputs may never reach;
+   rounding floats cast from integers, an exporter's integer division, is exact and allowed), except a SwiGLU
+   clamp: ``Clip``/``Min``/``Max`` with constant bounds of one magnitude ``limit``, accepted
    only when the draws reach it (the reading with the clamp differs from the one without); refuses ops of
    other domains; runs the region alone on ONNX Runtime (basic level) with random inputs at the cut (routed:
    weights in [0.05, 1], k distinct experts per token) for T = 1, 3 and E + 1 tokens and once with
@@ -60,6 +62,9 @@ TOLERANCE = {TensorProto.FLOAT: 1e-4, TensorProto.FLOAT16: 1e-2, TensorProto.BFL
 _ROUTINGS = (("softmax_topk", 0), ("softmax_topk", 1), ("topk_softmax", 0))
 #: threshold ops a SwiGLU clamp is spelled with
 _CLAMP_OPS = frozenset({"Clip", "Min", "Max"})
+#: rounding ops exporters spell integer division with on floats cast from integers (JetMoE's ``index // k``:
+#: ``Mul(Floor(Abs(Div(Cast(i), k))), Sign(.))``): exact on such data, so checked like any other op
+_ROUNDING_OPS = frozenset({"Abs", "Sign", "Floor", "Ceil", "Round", "Mod"})
 
 
 @dataclass
@@ -244,13 +249,27 @@ def _scalars(graph: Graph, region: list[Node], op_types: tuple[str, ...]) -> lis
     return out
 
 
-def _clamp_limit(graph: Graph, region: list[Node]) -> float | str | None:
+def _activation_floats(graph: Graph, region: list[Node], cut: list[str]) -> set[str]:
+    """The float values of ``region`` (in graph order) computed from the float values of ``cut``; floats cast
+    from integers (expert ids, counts) and what only they feed are not among them."""
+    tainted = {v for v in cut if graph.values[v].dtype in TOLERANCE}
+    for n in region:
+        if any(i in tainted for i in n.inputs if i):
+            tainted |= {o for o in n.outputs if o and graph.values[o].dtype in TOLERANCE}
+    return tainted
+
+
+def _clamp_limit(graph: Graph, region: list[Node], cut: list[str]) -> float | str | None:
     """The SwiGLU clamp's limit when every threshold op on float data in the region is a Clip/Min/Max with
-    constant bounds of one magnitude; None when the region has no threshold op; else a refusal."""
+    constant bounds of one magnitude; None when the region has no threshold op; else a refusal. Rounding ops
+    on floats that hold integers (not computed from the cut's activations) are exact, and allowed."""
     limits = set()
+    activations = _activation_floats(graph, region, cut)
     for n in region:
         first = graph.values.get(n.inputs[0]) if n.inputs and n.inputs[0] else None
         if n.op_type not in _THRESHOLD_OPS or first is None or first.dtype not in TOLERANCE:
+            continue
+        if n.op_type in _ROUNDING_OPS and n.inputs[0] not in activations:
             continue
         refusal = f"{n.describe()} applies a threshold to float data; a random-input check cannot cover it"
         if n.op_type not in _CLAMP_OPS:
@@ -264,14 +283,19 @@ def _clamp_limit(graph: Graph, region: list[Node]) -> float | str | None:
     return limits.pop() if limits else None
 
 
-def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int = 0) -> Proven | str:
+def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int | None, seed: int = 0) -> Proven | str:
     """Prove that ``sum_node`` (the per-token sum over the k selected experts) computes FusedMoE; see the
-    module docstring. Returns the :class:`Proven` reading, or a one-line refusal (the logits cut's when
-    both cuts fail and the router was found, else the routed cut's)."""
+    module docstring. ``k`` None: a sum that does not show k (an index-add of the expert outputs into the
+    token rows) takes the router's, and only the logits cut is tried. Returns the :class:`Proven` reading, or
+    a one-line refusal (the logits cut's when both cuts fail and the router was found, else the routed cut's)."""
     probe = upstream_nodes(graph, [pairs], set(graph.initializers) | set(graph.inputs), MAX_REGION_NODES, truncate=True)
     router = find_router(graph, probe)
+    if k is None and isinstance(router, Router):
+        k = router_k(graph, router)
+        if k is None:
+            return f"router {router.node.describe()} selects a number of experts that is not a constant"
     first = router if isinstance(router, str) else _prove(graph, sum_node, k, router, seed)
-    if isinstance(first, Proven):
+    if isinstance(first, Proven) or k is None:
         return first
     routed = find_routed(graph, probe, sum_node, k)
     if isinstance(routed, str):
@@ -280,6 +304,14 @@ def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int, seed: int 
     if isinstance(second, Proven) or not isinstance(router, Router):
         return second
     return first if first.startswith("no FusedMoE reading") and not second.startswith("no FusedMoE reading") else second
+
+
+def router_k(graph: Graph, router: Router) -> int | None:
+    """The number of experts ``router`` selects: topk's ``k`` attribute, or the TopK's constant K input."""
+    if router.fused:
+        return int(router.node.attr("k"))
+    k_const = graph.const(router.node.inputs[1])
+    return int(k_const.reshape(-1)[0]) if k_const is not None and k_const.size == 1 else None
 
 
 def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: int) -> Proven | str:
@@ -293,13 +325,12 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     elif router.fused:  # topk's op: its routing is known, and the region starts at its outputs
         logits = router.logits
         routings = ((router.node.attr("mode", "softmax_topk"), int(router.node.attr("normalize", 0))),)
-        selected = int(router.node.attr("k"))
+        selected = router_k(graph, router)
         cut = [o for o in router.node.outputs if o]
     else:
         logits = router.logits
         routings = _ROUTINGS
-        k_const = graph.const(router.node.inputs[1])
-        selected = int(k_const.reshape(-1)[0]) if k_const is not None and k_const.size == 1 else None
+        selected = router_k(graph, router)
         cut = [logits]
     if not routed and selected != k:
         return f"router {router.node.describe()} selects {selected} experts, the sum adds {k}"
@@ -316,7 +347,7 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     if region is None:
         return f"more than {MAX_REGION_NODES} nodes between the router and the sum"
     region = sorted(region + [sum_node], key=lambda n: n.order)
-    limit = _clamp_limit(graph, region)
+    limit = _clamp_limit(graph, region, cut)
     if isinstance(limit, str):
         return limit
     for n in region:
