@@ -124,10 +124,14 @@ def kernel_times(call, label: str, reps: int = 5) -> None:
             print(f"  {label}: {ev.key[:40]:<40} {ev.count // reps:>4} per call, {ev.device_time_total / reps:>8.1f} us per call")
 
 
-def run(bench: Path, profile: bool = False) -> int:
+def run(bench: Path, profile: bool = False, iree_flags: tuple[str, ...] = ()) -> int:
     import iree.runtime as rt
 
     from rewrite.backends import load_runner
+
+    if iree_flags:  # runtime flags (e.g. --cuda_use_streams=false), before the device is made
+        rt.flags.parse_flags(*iree_flags)
+        print(f"IREE runtime flags: {' '.join(iree_flags)}")
 
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s (device to device, read + write)")
@@ -175,11 +179,13 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("bench", type=Path)
     r.add_argument("--profile", action="store_true", help="also print per-kernel GPU times (torch.profiler)")
+    r.add_argument("--iree-flag", action="append", default=[], metavar="FLAG",
+                   help="an IREE runtime flag, e.g. --iree-flag=--cuda_use_streams=false (repeatable)")
     args = ap.parse_args()
     if args.cmd == "prepare":
         prepare(args.out, [int(n) for n in args.layers.split(",")])
         return 0
-    return run(args.bench, args.profile)
+    return run(args.bench, args.profile, tuple(args.iree_flag))
 
 
 if __name__ == "__main__":

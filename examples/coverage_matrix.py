@@ -195,6 +195,15 @@ def markdown(rows: list[Row], command: str) -> str:
     lines += ["", f"Of {len(rows)} rows, {len(exported)} export; {len(fused)} of those fuse every MoE layer, and "
               f"{sum(r.exact for r in fused)} of those pass `verify` with equal tokens on both backends. A `-` is a step "
               "that did not run because an earlier one failed; `crashed` is a runtime that died (run in a child process)."]
+    lines += ["", "Why the fused rows that are not exact are not:", "",
+              "* Qwen3.5-MoE (hf): iree-compile 3.13 dies (SIGFPE in AnnotateDispatches) on the zero-size ScatterND of its "
+              "convolution-state update; ONNX Runtime is exact.",
+              "* JetMoE: its MoE blocks fuse (`fused-moe-index-add`); its attention experts (MoA) sort the (token, expert) "
+              "pairs with a TopK of dynamic K, which iree-compile 3.13 cannot lower (unbounded stack allocation).",
+              "* Jamba (hf): the export fixes `input_ids` at 2 tokens per call; `verify` passes on both backends, and "
+              "`generate` refuses a prefill of 5 tokens and one-token steps.",
+              "* gpt-oss (dynamo) is exact as far as it decodes: the export gives its sliding-window and full-attention "
+              "pasts one dim, so the graph serves 16 positions (12 greedy steps after the 5-token prompt)."]
     return "\n".join(lines) + "\n"
 
 

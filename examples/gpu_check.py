@@ -147,6 +147,8 @@ MOE_SAMPLES = {
     "int4-f32": dict(dtype=np.float32, dims=(8, 2, 256, 128), bs=64, zp=True, mode="softmax_topk", normalize=1),
     "int4-long-block": dict(dtype=np.float16, dims=(8, 4, 128, 64), bs=128, zp=True, mode="softmax_topk", normalize=0),
     "float-f16": dict(dtype=np.float16, dims=(8, 2, 256, 128), bs=0, zp=False, mode="softmax_topk", normalize=0),
+    # the layer width of Qwen1.5-MoE (H=2048: two 16-byte loads per lane and row), I with a partial last block
+    "int4-wide": dict(dtype=np.float16, dims=(4, 2, 2048, 704), bs=128, zp=True, mode="softmax_topk", normalize=0),
 }
 MOE_TOKENS = (1, 3, 8)  #: token counts each sample runs (decode, ragged, a prefill chunk)
 

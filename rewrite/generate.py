@@ -165,9 +165,9 @@ class Generator:
                 (a, sa), (b, sb) = next(((x, y) for x in sizes.items() for y in sizes.items() if x[1] != y[1]))
                 raise GenerationError(
                     f"after {self.position} positions the model returned {sa} for '{a}' and {sb} for '{b}', but its "
-                    f"export declares both with one dim '{dim}' (traced equal, as a sliding-window layer beside "
-                    f"full-attention layers is before its window fills): the graph serves {self.position} positions, no more; re-export with one "
-                    "past dim per layer", positions=self.position)
+                    f"export declares both with one dim '{dim}': the graph serves {self.position} positions, no more "
+                    "(a sliding-window layer's past stops at its window; re-export with one past dim per layer)",
+                    positions=self.position)
         iface = self.interface
         start = self.position
         width = self.context.shape[1] + n if self.recompute else n

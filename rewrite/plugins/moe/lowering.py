@@ -50,8 +50,13 @@ from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
 ROWS_PER_WORKGROUP = 32  #: ROWS in rewrite/plugins/moe/kernels/moe_cpu.c
-#: GATE_ROWS, DOWN_ROWS, THREADS, MAX_E in rewrite/plugins/moe/kernels/moe_cuda.cu
-CUDA_GATE_ROWS, CUDA_DOWN_ROWS, CUDA_THREADS, CUDA_MAX_E = 4, 4, 128, 512
+#: THREADS, MAX_E in rewrite/plugins/moe/kernels/moe_cuda.cu
+CUDA_THREADS, CUDA_MAX_E = 256, 512
+#: CUDA grid: (expert, row) items per gate_up workgroup (its I rows: ceil(this / k)) and H rows per down workgroup.
+#: Two passes of 8 warps, 2 items (4 rows) or 1 row each: the router runs once per 32 items, and at T=1 the grid is
+#: one wave of two workgroups per SM (176 gate_up and 128 down workgroups for Qwen1.5-MoE's I=1408, k=4, H=2048;
+#: BENCHMARKS.md has the configurations measured)
+CUDA_GATE_ITEMS, CUDA_DOWN_ROWS = 32, 16
 _FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64}
 MODES = ("softmax_topk", "topk_softmax", "routed")
 #: input positions of the contract
@@ -247,9 +252,10 @@ class FusedMoE(AbstractOp):
     # ----------------------------------------------------------------- IREE
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """The same two dispatches as :meth:`lower_iree`, of rewrite/plugins/moe/kernels/moe_cuda.cu (PTX for
-        ``ctx.cuda_arch``): ``moe_gate_up_<el>`` on (T*k, ceil(I/4)) workgroups of 128 threads, ``moe_down_<el>``
-        on (T, ceil(H/4)); a warp per weight row, the INT4 dequantization inside the dot product, each workgroup
-        routing its token with one warp. The 10 scalars are i32 push constants.
+        ``ctx.cuda_arch``): ``moe_gate_up_<el>`` on (T, ceil(I / ceil(32 / k))) workgroups of 256 threads,
+        ``moe_down_<el>`` on (T, ceil(H / 16)); each workgroup routes its token once for all k experts, then its
+        warps take 2 to 4 weight rows at a time, the INT4 dequantization inside the dot product (the kernel
+        source's header gives the fast path). The 10 scalars are i32 push constants.
 
         Raises:
             BackendError: as :meth:`lower_iree`, and H or I not a multiple of 8, a block size that is not, more
@@ -309,7 +315,7 @@ class FusedMoE(AbstractOp):
         # static element counts of the weight bindings (the ids are sized by the token count at run time)
         S = {n: int(np.prod(tys[kk].dims)) if present[kk] and n != "ids" else 1 for n, kk in zip(names, range(2, 11))}
         L = k if routed else E  # columns of input 1: routed weights [T, k] or logits [T, E]
-        rows1, rows2 = (CUDA_GATE_ROWS, CUDA_DOWN_ROWS) if cuda else (ROWS_PER_WORKGROUP, ROWS_PER_WORKGROUP)
+        rows1, rows2 = (-(-CUDA_GATE_ITEMS // k), CUDA_DOWN_ROWS) if cuda else (ROWS_PER_WORKGROUP, ROWS_PER_WORKGROUP)
         consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cL": L, "%cbs": bs, "%cfl": flags,
                   "%nb1": -(-I // rows1), "%nb2": -(-H // rows2), "%cal": alpha, "%cbe": beta,
                   "%cli": limit}
@@ -350,7 +356,7 @@ class FusedMoE(AbstractOp):
             scalar_names = [f"{n}_i32" for n in scalar_names]
         scalars = ", ".join(scalar_names)
         lines.append(
-            f"    %act = flow.dispatch @moe_exec::@gate_up[%tk, %nb1](%x, %l, %ids, %fc1, %s1, %z1, %b1, {scalars}) : "
+            f"    %act = flow.dispatch @moe_exec::@gate_up[{'%t' if cuda else '%tk'}, %nb1](%x, %l, %ids, %fc1, %s1, %z1, %b1, {scalars}) : "
             f"(tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%tl}}, {ids_t}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, "
             f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, {', '.join([st] * 10)}) -> tensor<?xf32>{{%tki}}")
         lines.append(

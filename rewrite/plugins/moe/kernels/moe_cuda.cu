@@ -9,13 +9,21 @@
 //   two per byte along H (even element in the low nibble), s1/z1 [E, 2I, nb] scales / uint8 zero points (8 when
 //   absent), b1 [E, 2I]; w2 [E, H, I], s2/z2 [E, H, nb2], b2 [E, H]; act [T*k, I] f32 scratch; out [T, H].
 //
-// moe_gate_up_<el>: grid (T*k, ceil(I / GATE_ROWS)), THREADS threads. Warp 0 routes the block's token
-// (warp-parallel softmax and top-k, lowest index first on ties) into shared memory; then each warp takes one
-// row r of the expert's gate and up halves: lanes read consecutive 16-byte pieces of the packed row (32 codes,
-// one block's scale and zero point), dequantize in the dot product (scale * (sum(code * x) - zp * sum(x))),
-// reduce by shuffles and apply SwiGLU. The activations are read from global memory through the L1.
-// moe_down_<el>: grid (T, ceil(H / DOWN_ROWS)): the same routing, then each warp accumulates
-// w_j * (w2[e_j] row . act[t, j] + b2) over the k experts for its row, written once in x's type.
+// moe_gate_up_<el>: grid (T, ceil(I / rows)), THREADS threads; rows = ceil(I / gridDim.y) (the lowering picks
+// the grid). Warp 0 routes the block's token (warp-parallel softmax and top-k, lowest index first on ties) into
+// shared memory, once for all k experts; the block's items are (expert j, row r) pairs, each the gate and up
+// rows r of expert e_j, then SwiGLU into act[t*k + j, r].
+// moe_down_<el>: grid (T, ceil(H / rows)): the same routing, then per row r of H the sum over the k experts of
+// w_j * (w2[e_j] row r . act[t, j] + b2), written once in x's type.
+//
+// Fast path (f16 activations, INT4 weights, H, I and the block size multiples of 32, the vectors within the
+// shared stages): the vector (x, or the k act rows) is staged once per workgroup in shared memory as half2,
+// scaled by 1/16 (range for the half products) and laid out per 8 elements as (v0,v4),(v1,v5),(v2,v6),(v3,v7):
+// the order in which the "magic number" conversion (code | 0x6400 is the half 1024 + code) takes two nibbles of
+// a 32-bit word at once. Each lane reads 16 bytes (32 codes) of a row per load; a warp works on up to 4 rows
+// with one vector read (gate_up: gate and up of two items; down: 4 of the k experts), so 4 to 8 loads of 16
+// bytes are in flight per lane. Products and sums of 4 are in half2 (codes minus zero point are exact), the
+// rest in f32. Other configurations take the general path: one row per warp, f32 arithmetic.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -30,11 +38,12 @@
 #define BIAS 64
 
 #define MAX_K 64
-#define GATE_ROWS 4    // rows of I per gate_up workgroup, one per warp (CUDA_GATE_ROWS in lowering.py)
-#define DOWN_ROWS 4    // rows of H per down workgroup (CUDA_DOWN_ROWS in lowering.py)
-#define THREADS 128    // 4 warps per workgroup (CUDA_THREADS in lowering.py)
+#define THREADS 256    // 8 warps per workgroup (CUDA_THREADS in lowering.py)
 #define WARPS (THREADS / 32)
 #define MAX_E 512      // largest expert count: the router's logits, f32 in shared memory
+#define MAX_XH 8192    // fast path: largest H (x staged as half in shared memory)
+#define MAX_ACT 16384  // fast path: largest k * I (the token's act rows staged as half)
+#define VEC_SCALE 0.0625f  // staged vectors are scaled by 1/16 so half products of up to 4 codes stay finite
 
 __device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
@@ -53,6 +62,11 @@ template <typename T>
 __device__ void route(const T* __restrict__ logits, const long long* __restrict__ given, int t, int E, int K,
                       int flags, long long* ids, float* w, float* scratch) {
   __shared__ unsigned char taken[MAX_E];
+#ifdef NO_ROUTE  // a variant for benchmarks/moe_cuda_kernels.py: experts 0..k-1, weight 1/k, no routing
+  if (threadIdx.x < K) ids[threadIdx.x] = threadIdx.x, w[threadIdx.x] = 1.f / K;
+  __syncthreads();
+  return;
+#endif
   if (threadIdx.x < 32) {
     int lane = threadIdx.x;
     if (flags & ROUTED) {
@@ -175,6 +189,99 @@ __device__ float row_dot(const void* __restrict__ w, const T* __restrict__ s, co
   return warp_sum(acc);
 }
 
+// ---------------------------------------------------------------- fast path: f16, INT4, multiples of 32
+
+// Stage n values of v (n % 8 == 0) into sh as n/2 half2, scaled and permuted per 8 (see the header).
+template <typename V>
+__device__ __forceinline__ void stage(const V* __restrict__ v, int n, __half2* sh) {
+  for (int g = threadIdx.x; g < n / 8; g += THREADS) {
+    float f[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) f[m] = ld(v, 8LL * g + m) * VEC_SCALE;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) sh[4 * g + m] = __floats2half2_rn(f[m], f[m + 4]);
+  }
+}
+
+// sum over the 32 codes of one 16-byte load of (code - zp) * vector, the vector's 16 half2 in xv; zh = 1024 + zp.
+__device__ __forceinline__ float dot32(uint4 wv, const uint4 (&xv)[4], __half2 zh) {
+#ifdef NO_DOT  // a variant for benchmarks/moe_cuda_kernels.py: the loads without the arithmetic
+  return __uint_as_float((wv.x ^ wv.y ^ wv.z ^ wv.w ^ xv[0].x) & 0x3f7fffffu);
+#endif
+  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+  float acc = 0.f;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const __half2* xp = (const __half2*)&xv[m];
+    __half2 s = __float2half2_rn(0.f);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      uint32_t b = ((words[m] >> (4 * n)) & 0x000F000Fu) | 0x64006400u;
+      s = __hfma2(__hsub2(*(const __half2*)&b, zh), xp[n], s);
+    }
+    float2 f = __half22float2(s);
+    acc += f.x + f.y;
+  }
+  return acc;
+}
+
+// R rows (byte pointers to packed INT4 rows of Kd codes, their scale and zero-point rows) dotted with staged
+// vectors (Kd/2 half2 each): vec[0] for every row when ONE_VEC, else vec[r] for row r. Each lane's partial sums
+// go to acc (not reduced across the warp, not unscaled). A lane takes its 16-byte pieces two at a time (q and
+// q + 32): every load of a pass (R rows x 2 pieces, their scales and zero points) is issued before the
+// arithmetic, so a row of up to 2048 codes costs one memory round trip.
+template <int R, bool ONE_VEC>
+__device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[R], const __half* const (&srow)[R],
+                                         const uint8_t* const (&zrow)[R], const bool (&live)[R], int Kd, int bs,
+                                         const __half2* const (&vec)[R], float (&acc)[R]) {
+  int lane = threadIdx.x & 31, nq = Kd / 32;
+  for (int q0 = lane; q0 < nq; q0 += 64) {
+    uint4 wv[2][R];
+    float sc[2][R];
+    __half2 zh[2][R];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      int q = q0 + 32 * u, b = (32 * q) / bs;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        bool ok = live[r] && q < nq;
+        wv[u][r] = ok ? __ldg((const uint4*)rows[r] + q) : make_uint4(0, 0, 0, 0);
+        sc[u][r] = ok ? __half2float(__ldg(srow[r] + b)) : 0.f;
+        zh[u][r] = __float2half2_rn(1024.f + (ok && zrow[r] ? (float)__ldg(zrow[r] + b) : 8.f));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      int q = q0 + 32 * u;
+      if (q >= nq) break;
+      uint4 xv[4];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r == 0 || !ONE_VEC) {
+#pragma unroll
+          for (int m = 0; m < 4; ++m) xv[m] = ((const uint4*)vec[r])[4 * q + m];
+        }
+        acc[r] += sc[u][r] * dot32(wv[u][r], xv, zh[u][r]);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ bool fast_path(int flags, int H, int I, int K, int bs) {
+  return (flags & F16) && (flags & INT4) && H % 32 == 0 && I % 32 == 0 && bs % 32 == 0 && H <= MAX_XH &&
+         K * I <= MAX_ACT;
+}
+
+__device__ __forceinline__ float swiglu(float g, float u, float alpha, float beta, float limit) {
+  if (limit > 0.f) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+  }
+  return g / (1.f + __expf(-alpha * g)) * (u + beta);
+}
+
+// ---------------------------------------------------------------- the two kernels
+
 template <typename T>
 __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, const long long* __restrict__ given,
                         const void* __restrict__ w1, const T* __restrict__ s1, const uint8_t* __restrict__ z1,
@@ -182,13 +289,71 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
                         int flags, int alpha_b, int beta_b, int limit_b) {
   __shared__ float scratch[MAX_E], w[MAX_K];
   __shared__ long long ids[MAX_K];
-  int pair = blockIdx.x, t = pair / K, j = pair % K;
-  route(logits, given, t, E, K, flags, ids, w, scratch);
+  __shared__ __align__(16) __half2 xsh[MAX_XH / 2];
+  int t = blockIdx.x;
+  int rows = (I + gridDim.y - 1) / gridDim.y, r0 = blockIdx.y * rows, r1 = min(I, r0 + rows);
+  bool fast = fast_path(flags, H, I, K, bs);
   const T* xv = x + (long long)t * H;
-  long long e = ids[j];
+  if (fast && threadIdx.x >= 32) stage(xv, H, xsh);  // warps 1.. stage x while warp 0 routes
+  route(logits, given, t, E, K, flags, ids, w, scratch);
+  if (fast && threadIdx.x < 32) stage(xv, H, xsh);  // warp 0's share of the groups, after routing
+  __syncthreads();
   float alpha = bits(alpha_b), beta = bits(beta_b), limit = bits(limit_b);
   int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  for (int r = blockIdx.y * GATE_ROWS + warp; r < min(I, (int)(blockIdx.y + 1) * GATE_ROWS); r += WARPS) {
+  int items = K * (r1 - r0);  // item n: expert slot n / rows_here, row r0 + n % rows_here
+  int here = r1 - r0;
+  if (here <= 0) return;
+  if (fast) {
+    int nb = (H + bs - 1) / bs;  // a last block may be partial, or longer than the row
+    for (int n0 = 2 * warp; n0 < items; n0 += 2 * WARPS) {  // two items per pass: 4 rows with one vector read
+      const uint8_t* rp[4];
+      const __half* sp[4];
+      const uint8_t* zp[4];
+      bool live[4];
+      long long e2[2];
+      int r2[2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        int n = n0 + m;
+        bool ok = n < items;
+        int j = ok ? n / here : 0, r = r0 + (ok ? n % here : 0);
+        long long e = ok ? ids[j] : -1;
+        e2[m] = e, r2[m] = r;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // h 0: gate row r, h 1: up row I + r
+          long long row = (e < 0 ? 0 : e) * 2 * I + h * I + r;
+          rp[2 * m + h] = (const uint8_t*)w1 + row * (H / 2);
+          sp[2 * m + h] = (const __half*)s1 + row * nb;
+          zp[2 * m + h] = (flags & ZERO_POINTS) ? z1 + row * nb : nullptr;
+          live[2 * m + h] = e >= 0;
+        }
+      }
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      const __half2* vec[4] = {xsh, xsh, xsh, xsh};
+      dot_rows<4, true>(rp, sp, zp, live, H, bs, vec, acc);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        float g = warp_sum(acc[2 * m]) * (1.f / VEC_SCALE), u = warp_sum(acc[2 * m + 1]) * (1.f / VEC_SCALE);
+        int n = n0 + m;
+        if (n >= items) continue;
+        long long e = e2[m];
+        int r = r2[m];
+        float out = 0.f;
+        if (e >= 0) {
+          if (flags & BIAS) {
+            g += ld(b1, e * 2 * I + r);
+            u += ld(b1, e * 2 * I + I + r);
+          }
+          out = swiglu(g, u, alpha, beta, limit);
+        }
+        if (lane == 0) act[((long long)t * K + n / here) * I + r] = out;
+      }
+    }
+    return;
+  }
+  for (int n = warp; n < items; n += WARPS) {
+    int j = n / here, r = r0 + n % here;
+    long long e = ids[j];
     float out = 0.f;
     if (e >= 0) {
       float g = row_dot(w1, s1, z1, e * 2 * I + r, H, bs, flags, xv);
@@ -197,13 +362,9 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
         g += ld(b1, e * 2 * I + r);
         u += ld(b1, e * 2 * I + I + r);
       }
-      if (limit > 0.f) {
-        g = fminf(g, limit);
-        u = fminf(fmaxf(u, -limit), limit);
-      }
-      out = g / (1.f + __expf(-alpha * g)) * (u + beta);
+      out = swiglu(g, u, alpha, beta, limit);
     }
-    if (lane == 0) act[(long long)pair * I + r] = out;
+    if (lane == 0) act[((long long)t * K + j) * I + r] = out;
   }
 }
 
@@ -213,10 +374,53 @@ __device__ void down(const T* __restrict__ logits, const long long* __restrict__
                      const T* __restrict__ b2, T* __restrict__ out, int H, int I, int E, int K, int bs, int flags) {
   __shared__ float scratch[MAX_E], w[MAX_K];
   __shared__ long long ids[MAX_K];
+  __shared__ __align__(16) __half2 ash[MAX_ACT / 2];
   int t = blockIdx.x;
+  int rows = (H + gridDim.y - 1) / gridDim.y, r0 = blockIdx.y * rows, r1 = min(H, r0 + rows);
+  bool fast = fast_path(flags, H, I, K, bs);
+  const float* at = act + (long long)t * K * I;  // the token's k act rows, contiguous
+  if (fast && threadIdx.x >= 32) stage(at, K * I, ash);
   route(logits, given, t, E, K, flags, ids, w, scratch);
+  if (fast && threadIdx.x < 32) stage(at, K * I, ash);
+  __syncthreads();
   int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  for (int r = blockIdx.y * DOWN_ROWS + warp; r < min(H, (int)(blockIdx.y + 1) * DOWN_ROWS); r += WARPS) {
+  if (fast) {
+    int nb = (I + bs - 1) / bs;
+    for (int r = r0 + warp; r < r1; r += WARPS) {
+      float total = 0.f;
+      for (int j0 = 0; j0 < K; j0 += 4) {  // 4 experts per pass, each with its own act row
+        const uint8_t* rp[4];
+        const __half* sp[4];
+        const uint8_t* zp[4];
+        bool live[4];
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          long long e = j0 + m < K ? ids[j0 + m] : -1;
+          long long row = (e < 0 ? 0 : e) * H + r;
+          rp[m] = (const uint8_t*)w2 + row * (I / 2);
+          sp[m] = (const __half*)s2 + row * nb;
+          zp[m] = (flags & ZERO_POINTS) ? z2 + row * nb : nullptr;
+          live[m] = e >= 0;
+        }
+        const __half2* vec[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) vec[m] = ash + (long long)min(j0 + m, K - 1) * (I / 2);
+        dot_rows<4, false>(rp, sp, zp, live, I, bs, vec, acc);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          if (!live[m]) continue;
+          float d = acc[m] * (1.f / VEC_SCALE);  // lane partial; the bias is added once, by lane 0
+          if ((flags & BIAS) && lane == 0) d += ld(b2, ids[j0 + m] * H + r);
+          total += w[j0 + m] * d;
+        }
+      }
+      total = warp_sum(total);
+      if (lane == 0) st(out, (long long)t * H + r, total);
+    }
+    return;
+  }
+  for (int r = r0 + warp; r < r1; r += WARPS) {
     float acc = 0.f;
     for (int j = 0; j < K; ++j) {
       long long e = ids[j];
