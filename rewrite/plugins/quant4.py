@@ -52,6 +52,8 @@ dense ``DequantizeLinear -> MatMul`` pairs into MatMulNBits with int8 activation
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
 import ml_dtypes  # onnx's own dependency: numpy types for INT4/UINT4 tensors
@@ -115,7 +117,10 @@ class Quant4Options:
 
 # --------------------------------------------------------------------------- numerics
 _CHUNK_ELEMENTS = 1 << 24  # quantize_blockwise works on slices of about this many weights at a time
-def quantize_blockwise(w: np.ndarray, axis: int, block_size: int, symmetric: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+#: slices quantized at once, each in its own thread (a few float32 copies of one slice each: ~0.3 GB)
+_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)))
+def quantize_blockwise(w: np.ndarray, axis: int, block_size: int, symmetric: bool = False, *,
+                       _threads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Round-to-nearest 4-bit quantization of ``w`` in blocks of ``block_size`` along ``axis``.
 
     Args:
@@ -123,6 +128,9 @@ def quantize_blockwise(w: np.ndarray, axis: int, block_size: int, symmetric: boo
         axis: the blocked axis (K, the MatMul reduction axis), non-negative.
         block_size: elements per block; the last block may be partial.
         symmetric: INT4 codes without zero point instead of UINT4 codes with zero points.
+
+    Tensors of more than ``_CHUNK_ELEMENTS`` weights are quantized in slices along another axis, up to
+    ``_WORKERS`` slices at a time in threads (bit-identical to the whole tensor at once).
 
     Returns:
         ``(codes, scales, zero_points)``: codes shaped like ``w``, uint8 in [0, 15] (asymmetric) or int8 in
@@ -140,8 +148,14 @@ def quantize_blockwise(w: np.ndarray, axis: int, block_size: int, symmetric: boo
         # blocks run along `axis` only: slices along another axis quantize alone, with a few float32 copies of
         # one slice in memory instead of the whole tensor's (a 692 MB fp16 expert stack needed ~6 GB)
         step = max(1, _CHUNK_ELEMENTS * w.shape[outer] // w.size)
-        parts = [quantize_blockwise(np.take(w, range(i, min(i + step, w.shape[outer])), axis=outer), axis, block_size, symmetric)
-                 for i in range(0, w.shape[outer], step)]
+
+        def part(i: int):  # a slice still too large is sliced again, in its own thread only
+            return quantize_blockwise(np.take(w, range(i, min(i + step, w.shape[outer])), axis=outer), axis, block_size,
+                                      symmetric, _threads=1)
+
+        starts = range(0, w.shape[outer], step)
+        with ThreadPoolExecutor(min(_threads or _WORKERS, len(starts))) as pool:  # numpy's ufuncs release the GIL
+            parts = list(pool.map(part, starts))
         codes, scales = (np.concatenate([p[j] for p in parts], axis=outer) for j in (0, 1))
         zp = None if symmetric else np.concatenate([p[2] for p in parts], axis=outer)
         return codes, scales, zp
