@@ -130,8 +130,8 @@ def find_router(graph: Graph, nearest_first: list[Node]) -> Router | str:
     also a TopK; its input is not a router's.)"""
     for node in nearest_first:
         fused = node.op_type == "MoERouterTopK" and node.domain == DOMAIN
-        if (node.op_type != "TopK" and not fused) or (fused and node.attr("mode") in ("topk", "grouped")):
-            continue  # (topk's plain TopK and grouped router: the routed cut takes their weights and ids)
+        if (node.op_type != "TopK" and not fused) or (fused and node.attr("mode") in ("topk", "grouped", "sparsemixer")):
+            continue  # (topk's plain TopK, grouped and sparsemixer routers: the routed cut takes their weights and ids)
         src = _through_casts(graph, node.inputs[0])
         producer = graph.producer_node(src)
         if not fused and producer is not None and producer.op_type == "Softmax":

@@ -12,6 +12,8 @@ Forms matched (ONNX opset 13+, expert axis last):
 * ``grouped-router`` (:mod:`rewrite.plugins.router.grouped`): routers that select on biased scores, limited to
   the best groups, and weight with the unbiased scores (DeepSeek-V3, GLM4-MoE, dots1, Ernie 4.5), checked on
   random logits before the rewrite -> ``mode=grouped``;
+* ``sparsemixer-router`` (:mod:`rewrite.plugins.router.sparsemixer`): PhiMoE's router, two masked argmax rounds
+  instead of a TopK, checked on random logits before the rewrite -> ``mode=sparsemixer``;
 * ``topk-exact`` (tried last): any other float TopK over the last axis with ``largest=1, sorted=1`` (routers
   the forms above do not cover) -> ``mode=topk``, the k largest values and their indices, so that IREE never
   runs its own TopK on them.
@@ -41,6 +43,7 @@ from rewrite.core.rules import Builder, holds_every_value_of, rule
 from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.plugins.router.grouped import grouped_router, grouped_router_model
 from rewrite.plugins.router.op import _FLOATS, MAX_EXPERTS, MoERouterTopK, last_axis
+from rewrite.plugins.router.sparsemixer import sparsemixer_router, sparsemixer_router_model
 
 
 # ----------------------------------------------------------------------------------------------- rules
@@ -190,13 +193,15 @@ class RouterTopK(Plugin):
 
     name = "router-topk"
     short = "topk"
-    description = "Softmax->[Cast]->TopK [->renormalize], TopK->Softmax and grouped (biased, group-limited) routers -> one MoERouterTopK op (C kernel on IREE)"
+    description = ("Softmax->[Cast]->TopK [->renormalize], TopK->Softmax, grouped (biased, group-limited) and sparsemixer "
+                   "(PhiMoE) routers -> one MoERouterTopK op (C kernel on IREE)")
     opset_range = (13, 28)
     kernels = (KernelObject("router_topk", "iree", "llvm-cpu", "kernels/router_topk.c"),)
 
     @property
     def rules(self):
-        return [grouped_router, softmax_topk_renorm, softmax_topk, topk_softmax_renorm, topk_softmax, topk_exact]
+        return [grouped_router, sparsemixer_router, softmax_topk_renorm, softmax_topk, topk_softmax_renorm, topk_softmax,
+                topk_exact]
 
     @property
     def abstract_ops(self):
@@ -301,4 +306,14 @@ def _cases() -> list:
     out.append(positive("unsorted-ids-are-graph-outputs-plain-topk", lambda: grouped_router_model(sorted_=0),
                         {"topk-exact": 1}, backends=("ort",)))
     out += [negative(name, (lambda kw=kw: _router_model(**kw))) for name, kw in neg]
+    sparsemixer = [
+        ("phimoe-sparsemixer", dict(), {"sparsemixer-router": 1}),
+        ("phimoe-sparsemixer-f16", dict(dtype=TensorProto.FLOAT16, e=8), {"sparsemixer-router": 1}),
+        ("phimoe-sparsemixer-jitter-0.1", dict(eps=0.1, e=6), {"sparsemixer-router": 1}),
+    ]
+    out += [positive(name, (lambda kw=kw: sparsemixer_router_model(**kw)), counts) for name, kw, counts in sparsemixer]
+    # other routers: a second round with another threshold; the last of equal maxima
+    out += [negative(name, (lambda kw=kw: sparsemixer_router_model(**kw))) for name, kw in
+            (("sparsemixer-rounds-with-two-thresholds", dict(second_eps=0.05)),
+             ("sparsemixer-argmax-last-index", dict(select_last_index=1)))]
     return out

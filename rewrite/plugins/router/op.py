@@ -19,7 +19,7 @@ from rewrite.errors import BackendError
 
 MAX_EXPERTS = 1024  #: the kernel keeps one f32 score per expert on the stack (passed to it with -D)
 TOKENS_PER_WORKGROUP = 64  #: tokens one IREE workgroup routes
-MODES = ("softmax_topk", "topk_softmax", "topk", "grouped")
+MODES = ("softmax_topk", "topk_softmax", "topk", "grouped", "sparsemixer")
 SCORINGS = ("sigmoid", "softmax")  #: grouped mode's scoring functions
 _FLOATS = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 _KERNEL_FLAGS = (f"-DROUTER_TOPK_MAX_EXPERTS={MAX_EXPERTS}", f"-DROUTER_TOPK_TOKENS={TOKENS_PER_WORKGROUP}",
@@ -29,7 +29,7 @@ _KERNEL_FLAGS = (f"-DROUTER_TOPK_MAX_EXPERTS={MAX_EXPERTS}", f"-DROUTER_TOPK_TOK
 def router_topk_reference(logits: np.ndarray, k: int, normalize: int = 0, mode: str = "softmax_topk",
                           weights_dtype=np.float32, *, bias: np.ndarray | None = None, scoring: str = "sigmoid",
                           n_group: int = 1, topk_group: int = 1, scale: float = 1.0, norm_eps: float = 0.0,
-                          norm_min: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                          norm_min: float = 0.0, jitter_eps: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
     """numpy semantics of ``ai.rewrite::MoERouterTopK`` (what the C kernel computes, bit for bit on indices).
 
     Args:
@@ -50,6 +50,22 @@ def router_topk_reference(logits: np.ndarray, k: int, normalize: int = 0, mode: 
                 idx = top-k(c); w = s[idx]
                 w /= max(sum(w) + norm_eps, norm_min)   (when normalize: DeepSeek-V3 adds 1e-20, Ernie clamps)
                 w *= scale                                                       (routed_scaling_factor)
+
+        jitter_eps: ``sparsemixer`` mode only: PhiMoE's router (transformers 5.24 ``sparsemixer`` at inference,
+            ``router_jitter_noise``; Liu et al. 2024, "GRIN: GRadient-INformed MoE", arXiv:2409.12136), k = 2::
+
+                i1 = argmax(x) (first among equal)          m1 = x[i1]
+                keep1 = not ((m1 - x) / max(|x|, m1) > 2 * jitter_eps)
+                w1 = softmax(x where keep1 else -inf)[i1]
+                x2 = x with x[i1] = -inf; i2 = argmax(x2)   m2 = x2[i2]
+                keep2 = not ((m2 - x) / max(|x|, m2) > 2 * jitter_eps)
+                w2 = softmax(x2 where keep2 else -inf)[i2]
+
+            Everything runs in float32, also for float16 logits and a float16 threshold (its value taken exactly):
+            that is what ONNX Runtime's CPU provider computes for the exported float16 graph (it has no float16
+            kernels for the mask's ops and runs the chain in float32), so the mask keeps the experts it keeps. A
+            runtime that rounds every step to float16 may mask an expert whose ratio lies within that rounding of
+            the threshold differently. NaN ratios keep.
 
     Returns:
         (weights [..., k] ``weights_dtype``, indices [..., k] int64), sorted by descending score; equal scores
@@ -76,6 +92,10 @@ def router_topk_reference(logits: np.ndarray, k: int, normalize: int = 0, mode: 
     if mode == "grouped":
         return _grouped_reference(x, k, normalize, weights_dtype, bias, scoring, n_group, topk_group, scale,
                                   norm_eps, norm_min, softmax)
+    if mode == "sparsemixer":
+        if k != 2 or e < 2:
+            raise ValueError(f"MoERouterTopK: sparsemixer selects k=2 of at least 2 experts, not k={k} of {e}")
+        return _sparsemixer_reference(np.asarray(logits), jitter_eps, weights_dtype, softmax)
     scores = softmax(x) if mode == "softmax_topk" else x
     idx = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
     w = np.take_along_axis(scores, idx, -1)
@@ -114,6 +134,28 @@ def _grouped_reference(x, k, normalize, weights_dtype, bias, scoring, n_group, t
     return w.astype(weights_dtype), idx.astype(np.int64)
 
 
+def _sparsemixer_reference(logits: np.ndarray, jitter_eps: float, weights_dtype, softmax):
+    """``sparsemixer`` mode of :func:`router_topk_reference` (logits [..., E] float16 or float32)."""
+    ct = np.float32  # the mask's arithmetic type (see router_topk_reference)
+    x = logits.astype(ct)
+    thr = ct(np.float32(2.0) * np.float32(jitter_eps))
+
+    def one(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        i = np.argmax(scores, axis=-1)[..., None]  # first index among equal maxima (ONNX ArgMax)
+        m = np.take_along_axis(scores, i, -1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = ((m - x) / np.maximum(np.abs(x), m)).astype(ct)
+        keep = ~(ratio > thr)
+        w = np.take_along_axis(softmax(np.where(keep, scores, -np.inf).astype(np.float32)), i, -1)
+        return w, i
+
+    w1, i1 = one(x)
+    second = x.copy()
+    np.put_along_axis(second, i1, -np.inf, -1)
+    w2, i2 = one(second)
+    return np.concatenate([w1, w2], -1).astype(weights_dtype), np.concatenate([i1, i2], -1).astype(np.int64)
+
+
 class MoERouterTopK(AbstractOp):
     """``ai.rewrite::MoERouterTopK(logits) -> (weights, indices)``: the MoE router in one op.
 
@@ -128,9 +170,11 @@ class MoERouterTopK(AbstractOp):
         k (int): experts per token.
         normalize (int 0/1): divide the k weights by their sum.
         mode (string): ``softmax_topk`` (softmax over all E in float32, then top-k), ``topk_softmax``
-            (top-k of the logits, then softmax over the k), ``topk`` or ``grouped``.
+            (top-k of the logits, then softmax over the k), ``topk``, ``grouped`` or ``sparsemixer`` (PhiMoE, k=2).
         scoring (string), n_group, topk_group (int), scale, norm_eps, norm_min (float): grouped mode (see
             :func:`router_topk_reference`).
+        jitter_eps (float): sparsemixer mode, half the relative distance to the maximum past which an expert is
+            masked (see :func:`router_topk_reference`).
 
     Softmax is always computed in float32 (exp/sum in float64), also for float16 logits, as the seed's kernel
     does: on float16 graphs the op is more accurate than the original, whose probabilities are rounded to
@@ -167,11 +211,15 @@ class MoERouterTopK(AbstractOp):
             (dict(k=2, normalize=1, mode="grouped", scoring="softmax", n_group=1, topk_group=1, scale=1.0,
                   norm_eps=0.0, norm_min=0.5),
              [rng.standard_normal((3, 16)).astype(np.float16), (rng.standard_normal(16) * 0.1).astype(np.float32)]),
+            # PhiMoE: experts within a few percent of the maximum, where the mask decides
+            (dict(k=2, normalize=0, mode="sparsemixer", jitter_eps=0.01), [_near_max(rng, (67, 16), np.float32)]),
+            (dict(k=2, normalize=0, mode="sparsemixer", jitter_eps=0.1), [_near_max(rng, (5, 8), np.float16)]),
         ]
 
     def lower_ort(self, graph: Graph, node: Node) -> None:
         """Standard ONNX: Cast to f32, Softmax/TopK in the op's order, [ReduceSum, Div], Cast to the weights type;
-        mode ``topk`` without renormalization is the TopK it replaced; grouped mode: see ``_grouped_onnx``."""
+        mode ``topk`` without renormalization is the TopK it replaced; grouped mode: see ``_grouped_onnx``;
+        sparsemixer mode: ``_sparsemixer_onnx``."""
         k, normalize, mode = _attrs_of(node)
         b = Builder(graph, "lower/MoERouterTopK", node.order, node.name or "router")
         x = node.inputs[0]
@@ -181,6 +229,9 @@ class MoERouterTopK(AbstractOp):
             return
         if mode == "grouped":
             graph.replace_node(node, _grouped_onnx(graph, node, b, k, normalize))
+            return
+        if mode == "sparsemixer":
+            graph.replace_node(node, _sparsemixer_onnx(graph, node, b, k))
             return
         if graph.values[x].dtype != TensorProto.FLOAT:
             x = b.op("Cast", [x], to=TensorProto.FLOAT)
@@ -265,6 +316,18 @@ class MoERouterTopK(AbstractOp):
                 f"%rt_sc, %rt_g, %rt_kg, %rt_scale, %rt_eps, %rt_lo) : (tensor<?x{xe}>{{%rt_ne}}, tensor<{e}xf32>, index, index, "
                 f"index, index, index, index, index, index, index, index) -> (tensor<?x{we}>{{%rt_nk}}, tensor<?xi64>{{%rt_nk}})")
             executable = _executable(entry, xe, we, obj, bias=e, params=("norm", "sc", "g", "kg", "scale", "eps", "lo"))
+        elif mode == "sparsemixer":
+            if k != 2 or e < 2:
+                raise BackendError(f"{where}: sparsemixer selects k=2 of at least 2 experts, not k={k} of {e}")
+            entry = f"router_sparsemixer_{xe}_{we}"
+            eps = float(_grouped_args(op.attrs, None)["jitter_eps"])
+            thr = int(np.array(np.float32(2.0) * np.float32(eps), np.float32).view(np.uint32))
+            lines += [f"    %rt_thr = arith.constant {thr} : index"]
+            lines.append(
+                f"    %rt_w, %rt_i = flow.dispatch @{entry}_exec::@{entry}[%rt_nwg](%rt_flat, {t}, %rt_e, %rt_k, %rt_thr)"
+                f" : (tensor<?x{xe}>{{%rt_ne}}, index, index, index, index) -> (tensor<?x{we}>{{%rt_nk}}, tensor<?xi64>{{%rt_nk}})"
+            )
+            executable = _executable(entry, xe, we, obj, params=("thr",))
         else:
             lines.append(
                 f"    %rt_w, %rt_i = flow.dispatch @{entry}_exec::@{entry}[%rt_nwg](%rt_flat, {t}, %rt_e, %rt_k, %rt_mode, %rt_norm)"
@@ -281,8 +344,16 @@ class MoERouterTopK(AbstractOp):
         return IreeLowering(body="\n".join(lines), module_items={f"{entry}_exec": executable})
 
 
+def _near_max(rng: np.random.Generator, shape: tuple, dtype) -> np.ndarray:
+    """Logits whose experts lie within a few percent of each row's maximum (positive and negative rows)."""
+    top = rng.standard_normal(shape[:-1] + (1,)) * 3
+    return (top * (1 - np.abs(rng.standard_normal(shape)) * 0.04 * np.sign(top))).astype(dtype)
+
+
 def _grouped_args(attrs: dict, bias) -> dict:
-    """Keyword arguments of :func:`router_topk_reference` for grouped mode (none for the other modes)."""
+    """Keyword arguments of :func:`router_topk_reference` for grouped and sparsemixer modes (none for the others)."""
+    if attrs.get("mode") == "sparsemixer":
+        return dict(jitter_eps=float(attrs.get("jitter_eps", 0.01)))
     if attrs.get("mode") != "grouped":
         return {}
     scoring = attrs.get("scoring", "sigmoid")
@@ -344,6 +415,41 @@ def _grouped_onnx(graph: Graph, node: Node, b: Builder, k: int, normalize: int) 
     if wdt != TensorProto.FLOAT:
         w = b.op("Cast", [w], to=wdt)
     return [w, idx]
+
+
+def _sparsemixer_onnx(graph: Graph, node: Node, b: Builder, k: int) -> list[str]:
+    """Sparsemixer mode as standard ONNX in float32 (ArgMax, GatherElements, Abs, Max, Sub, Div, Greater, Where,
+    Softmax, ScatterElements: transformers' exporter's spelling of PhiMoE's router), weights Cast to the output type.
+
+    Raises:
+        BackendError: k other than 2, or fewer than 2 experts (naming the node).
+    """
+    x = node.inputs[0]
+    xv = graph.values[x]
+    e = (xv.shape or [None])[-1]
+    if k != 2 or (isinstance(e, int) and e < 2):
+        raise BackendError(f"node {node.describe()}: sparsemixer selects k=2 of at least 2 experts, not k={k} of {e}")
+    if xv.dtype != TensorProto.FLOAT:
+        x = b.op("Cast", [x], to=TensorProto.FLOAT)
+    eps = float(node.attr("jitter_eps", 0.01))
+    thr = b.const(np.float32(2.0) * np.float32(eps), "threshold")
+    neg_inf = b.const(np.array(-np.inf, np.float32), "neg_inf")
+    mag = b.op("Abs", [x])
+
+    def one(scores: str) -> tuple[str, str]:
+        i = b.op("ArgMax", [scores], axis=-1, keepdims=1, select_last_index=0)
+        m = b.op("GatherElements", [scores, i], axis=-1)  # the maximum (ReduceMax's axes input needs opset 18)
+        masked = b.op("Greater", [b.op("Div", [b.op("Sub", [m, x]), b.op("Max", [mag, m])]), thr])
+        z = b.op("Where", [masked, neg_inf, scores])
+        return b.op("GatherElements", [b.op("Softmax", [z], axis=-1), i], axis=-1), i
+
+    w1, i1 = one(x)
+    w2, i2 = one(b.op("ScatterElements", [x, i1, b.op("Expand", [neg_inf, b.op("Shape", [i1])])], axis=-1))
+    w = b.op("Concat", [w1, w2], axis=-1)
+    wdt = graph.values[node.outputs[0]].dtype or TensorProto.FLOAT
+    if wdt != TensorProto.FLOAT:
+        w = b.op("Cast", [w], to=wdt)
+    return [w, b.op("Concat", [i1, i2], axis=-1)]
 
 
 def _executable(entry: str, xe: str, we: str, obj, *, bias: int | None = None,

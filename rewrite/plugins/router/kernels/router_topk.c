@@ -8,7 +8,9 @@
 //   mode 2 (topk):         the k largest x themselves (ONNX TopK, largest=1, sorted=1, last axis);
 //   normalize: w /= sum(w) over the k selected weights;
 //   grouped mode (sigmoid or softmax scores, selection bias, group-limited top-k, normalization, scaling):
-//   route_grouped below, its own entry points router_grouped_<x>_<w>_workgroup.
+//   route_grouped below, its own entry points router_grouped_<x>_<w>_workgroup;
+//   sparsemixer mode (PhiMoE's two masked argmax rounds): route_sparsemixer_block, entry points
+//   router_sparsemixer_<x>_<w>_workgroup.
 // Selection is O(k*E): each round takes the largest value ordered after the previous pick in
 // (value descending, index ascending) order, so among equal values the lower index comes first
 // (ONNX TopK-11: "the element with the lower index will appear first"). NaN logits give unspecified
@@ -262,3 +264,55 @@ GROUPED_ENTRY(router_grouped_f32_f32_workgroup, float, float, 0, x + x_off, w + 
 GROUPED_ENTRY(router_grouped_f32_f16_workgroup, float, uint16_t, 0, x + x_off, 0, w + w_off)
 GROUPED_ENTRY(router_grouped_f16_f32_workgroup, uint16_t, float, x + x_off, 0, w + w_off, 0)
 GROUPED_ENTRY(router_grouped_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0, 0, w + w_off)
+
+// Sparsemixer mode (PhiMoE; reference: router_topk_reference(mode="sparsemixer")), one token, k = 2:
+//   i1 = argmax(x), keep1 = !((x[i1] - x) / max(|x|, x[i1]) > thr), w1 = softmax(x | keep1)[i1];
+//   x2 = x with x[i1] = -inf, i2 = argmax(x2), keep2 = !((x2[i2] - x) / max(|x|, x2[i2]) > thr),
+//   w2 = softmax(x2 | keep2)[i2].
+// thr = 2 * jitter_eps. Everything runs in float32, float16 logits included (what ONNX Runtime's CPU provider
+// computes for the exported float16 graph); the softmax in double, rounded once to float. NaN ratios keep.
+static float mixer_weight(const float* x, const float* scores, size_t e, size_t i, float thr) {
+  float m = scores[i];
+  double mx = -__builtin_inf(), sum = 0.0;
+  for (size_t j = 0; j < e; ++j) {
+    float ax = x[j] < 0.0f ? -x[j] : x[j], factor = ax > m ? ax : m;
+    if (!((m - x[j]) / factor > thr) && (double)scores[j] > mx) mx = (double)scores[j];
+  }
+  for (size_t j = 0; j < e; ++j) {
+    float ax = x[j] < 0.0f ? -x[j] : x[j], factor = ax > m ? ax : m;
+    if (!((m - x[j]) / factor > thr)) sum += exp_d((double)scores[j] - mx);
+  }
+  return (float)(exp_d((double)m - mx) / sum);
+}
+
+static void route_sparsemixer_block(const uint16_t* xh, const float* xf, float* wf, uint16_t* wh, int64_t* idx,
+                                    size_t t, size_t e, size_t k, size_t wg, float thr) {
+  float x[ROUTER_TOPK_MAX_EXPERTS], x2[ROUTER_TOPK_MAX_EXPERTS];
+  if (e < 2 || e > ROUTER_TOPK_MAX_EXPERTS || k != 2) return;  // the lowering refuses these
+  size_t t0 = wg * ROUTER_TOPK_TOKENS, t1 = t0 + ROUTER_TOPK_TOKENS < t ? t0 + ROUTER_TOPK_TOKENS : t;
+  for (size_t n = t0; n < t1; ++n) {
+    for (size_t j = 0; j < e; ++j) x[j] = xh ? rewrite_router_f16_to_f32(xh[n * e + j]) : xf[n * e + j];
+    size_t i1 = pick(x, e, 0, 0.0f, 0);  // first among equal maxima: ONNX ArgMax, select_last_index=0
+    for (size_t j = 0; j < e; ++j) x2[j] = j == i1 ? -__builtin_inff() : x[j];
+    size_t i2 = pick(x2, e, 0, 0.0f, 0);
+    float w[2] = {mixer_weight(x, x, e, i1, thr), mixer_weight(x, x2, e, i2, thr)};
+    idx[n * 2] = (int64_t)i1;
+    idx[n * 2 + 1] = (int64_t)i2;
+    for (size_t r = 0; r < 2; ++r) {
+      if (wh) wh[n * 2 + r] = rewrite_router_f32_to_f16(w[r]);
+      else wf[n * 2 + r] = w[r];
+    }
+  }
+}
+
+// thr arrives as the bit pattern of a float32 value (push constants are integers)
+#define SPARSEMIXER_ENTRY(NAME, XT, WT, XH, XF, WF, WH)                                                     \
+  void NAME(const XT* x, size_t x_off, WT* w, size_t w_off, int64_t* idx, size_t idx_off, size_t t,        \
+            size_t e, size_t k, size_t wg, size_t thr_bits) {                                               \
+    route_sparsemixer_block(XH, XF, WF, WH, idx + idx_off, t, e, k, wg, bits_f32(thr_bits));                \
+  }
+
+SPARSEMIXER_ENTRY(router_sparsemixer_f32_f32_workgroup, float, float, 0, x + x_off, w + w_off, 0)
+SPARSEMIXER_ENTRY(router_sparsemixer_f32_f16_workgroup, float, uint16_t, 0, x + x_off, 0, w + w_off)
+SPARSEMIXER_ENTRY(router_sparsemixer_f16_f32_workgroup, uint16_t, float, x + x_off, 0, w + w_off, 0)
+SPARSEMIXER_ENTRY(router_sparsemixer_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0, 0, w + w_off)
