@@ -30,14 +30,25 @@ and transposed after dequantization.  Expert codes are stored one code per byte 
 seed's ``ui8``) because ONNX ``Gather`` does not accept UINT4 in any opset; each gathered code
 and zero-point tensor is then ``Cast`` to UINT4, so ``DequantizeLinear`` sees UINT4 inputs.
 
+``arch="qwen3_moe"`` builds the same form for Qwen3-MoE (the seed's Qwen3-30B-A3B section: GQA, RMSNorm of each
+query and key head before RoPE, no q/k/v bias, no shared expert, top-k weights renormalized to sum 1).
+
+At the real sizes (``FULL``: Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B) :func:`export_seeded` writes the graph with its
+weights as external data drawn tensor by tensor from ``examples/seeded_weights.py``'s counter-based generator,
+the experts directly as INT4 codes, scales and zero points (never as floats); ``seeded_weights.py regenerate``
+rebuilds the same data file from the graph on another machine.
+
 API::
 
     model, weights = build_seed_model("fp16")        # weights: SeedWeights (config + float tensors)
+    model, weights = build_seed_model("fp32", arch="qwen3_moe")
     save_seed_model(model, "out/seed_fp16.onnx")
     logits, presents = seed_reference(weights, input_ids, seq_position, past)   # PyTorch
     report = check_seed_model(model, weights)         # ORT vs reference, prefill + greedy decode
 
-CLI: ``python examples/seed_form.py --dtype fp16 --out out/seed_fp16.onnx`` prints a JSON report.
+CLI: ``python examples/seed_form.py --dtype fp16 --out out/seed_fp16.onnx`` prints a JSON report;
+``python examples/seed_form.py --arch qwen3_moe --size full --out out/qwen3_seed`` writes ``model.onnx`` and its
+seeded ``model.onnx.data`` (32.7 GB) into that folder.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +67,9 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).parent))
+import seeded_weights  # noqa: E402
 
 OPSET = 21
 IR_VERSION = 10
@@ -70,7 +85,12 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class SeedConfig:
-    """Sizes of the toy model; ``dtype`` is ``"fp32"`` or ``"fp16"`` (activations and float weights)."""
+    """Sizes and variant of the model; ``dtype`` is ``"fp32"`` or ``"fp16"`` (activations and float weights).
+
+    ``qk_norm``: RMSNorm (weight ``[head_dim]``) of every query and key head before RoPE (Qwen3); ``attn_bias``:
+    q/k/v projections with biases (Qwen1.5-MoE); ``norm_topk``: the top-k weights divided by their sum (Qwen3's
+    ``norm_topk_prob``); ``shared_intermediate`` 0: no shared expert (Qwen3).
+    """
 
     dtype: str = "fp32"
     hidden: int = 256
@@ -85,6 +105,9 @@ class SeedConfig:
     vocab: int = 512
     max_seq: int = 64
     block_size: int = 128
+    qk_norm: bool = False
+    attn_bias: bool = True
+    norm_topk: bool = False
 
     @property
     def np_dtype(self) -> type:
@@ -106,6 +129,39 @@ class SeedConfig:
     def kv_shape(self) -> list[int]:
         """Shape of every ``past_*`` / ``present_*`` tensor: ``[1, kv_heads, max_seq, head_dim]``."""
         return [1, self.kv_heads, self.max_seq, self.head_dim]
+
+
+#: the variants (``build_seed_model(arch=...)``): a config's fields; sizes not named keep the toy defaults
+ARCHS: dict[str, dict] = {
+    "qwen2_moe": {},  # Qwen1.5-MoE: the seed's form as documented
+    "qwen3_moe": dict(kv_heads=2, experts=16, top_k=8, shared_intermediate=0, qk_norm=True, attn_bias=False,
+                      norm_topk=True),
+}
+
+#: the real configurations (Hugging Face config.json of Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B), static
+#: cache of 256 positions
+FULL: dict[str, dict] = {
+    "qwen2_moe": dict(hidden=2048, layers=24, heads=16, kv_heads=16, head_dim=128, experts=60, top_k=4,
+                      moe_intermediate=1408, shared_intermediate=5632, vocab=151936, max_seq=256),
+    "qwen3_moe": dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
+                      moe_intermediate=768, shared_intermediate=0, vocab=151936, max_seq=256),
+}
+
+
+def seed_config(dtype: str = "fp32", arch: str = "qwen2_moe", **overrides) -> SeedConfig:
+    """The config of ``arch`` (`ARCHS`) with ``overrides`` (any `SeedConfig` field).
+
+    Raises:
+        ValueError: an unknown arch or dtype, heads not a multiple of kv_heads, or an odd head_dim.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch '{arch}' is not one of {', '.join(ARCHS)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype '{dtype}' is not one of {', '.join(_DTYPES)}")
+    cfg = SeedConfig(dtype, **{**ARCHS[arch], **overrides})
+    if cfg.heads % cfg.kv_heads or cfg.head_dim % 2:
+        raise ValueError("heads must be a multiple of kv_heads and head_dim even")
+    return cfg
 
 
 @dataclass
@@ -184,28 +240,50 @@ def _random_weights(cfg: SeedConfig, seed: int) -> dict[str, np.ndarray]:
     def normal(shape, std):
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    h, d = cfg.hidden, cfg.head_dim
-    w = {"embed_tokens.weight": normal((cfg.vocab, h), 1.0)}
+    w = {}
+    for name, shape, _ in weight_specs(cfg):
+        fan_in = shape[0] if len(shape) == 2 else shape[-1]  # dense [in, out]; experts [E, out, in]
+        if name == "embed_tokens.weight":
+            w[name] = normal(shape, 1.0)
+        elif name.endswith("norm.weight"):
+            w[name] = 1.0 + normal(shape, 0.1)
+        elif name.endswith("_proj.bias"):
+            w[name] = normal(shape, 0.1)
+        elif name.endswith("mlp.gate.weight"):
+            w[name] = normal(shape, 0.5)
+        else:
+            w[name] = normal(shape, fan_in**-0.5)
+    return w
+
+
+def weight_specs(cfg: SeedConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every weight of the model as ``(name, shape, kind)``, in one fixed order: ``kind`` ``"float"`` (stored in the
+    model dtype; dense weights ``[in, out]``) or ``"experts"`` (a stack ``[E, out, in]`` stored as INT4 codes, scales
+    and zero points: ``{name without .weight}.qweight`` / ``.scales`` / ``.zero_points``)."""
+    h, d, e, mi, si = cfg.hidden, cfg.head_dim, cfg.experts, cfg.moe_intermediate, cfg.shared_intermediate
+    specs = [("embed_tokens.weight", (cfg.vocab, h), "float")]
     for i in range(cfg.layers):
         p = f"layers.{i}"
-        w[f"{p}.input_layernorm.weight"] = 1.0 + normal(h, 0.1)
+        specs.append((f"{p}.input_layernorm.weight", (h,), "float"))
         for name, n_heads in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)):
-            w[f"{p}.self_attn.{name}_proj.weight"] = normal((h, n_heads * d), h**-0.5)
-            w[f"{p}.self_attn.{name}_proj.bias"] = normal(n_heads * d, 0.1)
-        w[f"{p}.self_attn.o_proj.weight"] = normal((cfg.heads * d, h), (cfg.heads * d) ** -0.5)
-        w[f"{p}.post_attention_layernorm.weight"] = 1.0 + normal(h, 0.1)
-        w[f"{p}.mlp.gate.weight"] = normal((h, cfg.experts), 0.5)
-        e, mi, si = cfg.experts, cfg.moe_intermediate, cfg.shared_intermediate
-        w[f"{p}.mlp.experts.gate_proj.weight"] = normal((e, mi, h), h**-0.5)
-        w[f"{p}.mlp.experts.up_proj.weight"] = normal((e, mi, h), h**-0.5)
-        w[f"{p}.mlp.experts.down_proj.weight"] = normal((e, h, mi), mi**-0.5)
-        w[f"{p}.mlp.shared_expert.gate_proj.weight"] = normal((h, si), h**-0.5)
-        w[f"{p}.mlp.shared_expert.up_proj.weight"] = normal((h, si), h**-0.5)
-        w[f"{p}.mlp.shared_expert.down_proj.weight"] = normal((si, h), si**-0.5)
-        w[f"{p}.mlp.shared_expert_gate.weight"] = normal((h, 1), h**-0.5)
-    w["norm.weight"] = 1.0 + normal(h, 0.1)
-    w["lm_head.weight"] = normal((h, cfg.vocab), h**-0.5)
-    return w
+            specs.append((f"{p}.self_attn.{name}_proj.weight", (h, n_heads * d), "float"))
+            if cfg.attn_bias:
+                specs.append((f"{p}.self_attn.{name}_proj.bias", (n_heads * d,), "float"))
+        if cfg.qk_norm:
+            specs += [(f"{p}.self_attn.q_norm.weight", (d,), "float"), (f"{p}.self_attn.k_norm.weight", (d,), "float")]
+        specs.append((f"{p}.self_attn.o_proj.weight", (cfg.heads * d, h), "float"))
+        specs.append((f"{p}.post_attention_layernorm.weight", (h,), "float"))
+        specs.append((f"{p}.mlp.gate.weight", (h, e), "float"))
+        specs += [(f"{p}.mlp.experts.gate_proj.weight", (e, mi, h), "experts"),
+                  (f"{p}.mlp.experts.up_proj.weight", (e, mi, h), "experts"),
+                  (f"{p}.mlp.experts.down_proj.weight", (e, h, mi), "experts")]
+        if si:
+            specs += [(f"{p}.mlp.shared_expert.gate_proj.weight", (h, si), "float"),
+                      (f"{p}.mlp.shared_expert.up_proj.weight", (h, si), "float"),
+                      (f"{p}.mlp.shared_expert.down_proj.weight", (si, h), "float"),
+                      (f"{p}.mlp.shared_expert_gate.weight", (h, 1), "float")]
+    specs += [("norm.weight", (h,), "float"), ("lm_head.weight", (h, cfg.vocab), "float")]
+    return specs
 
 
 # --------------------------------------------------------------------------- graph building
@@ -334,8 +412,8 @@ def kv_cache_update(
 def attention(b: _GraphBuilder, x: str, i: int, rope: tuple[str, str], mask: str, positions: str, cfg: SeedConfig):
     """Seed "2. Self-Attention": ``x`` ``[1, seq, H]`` -> ``[1, seq, H]``; writes ``present_{key,value}_{i}``.
 
-    Q/K/V ``MatMul + bias -> Reshape([1, seq, n, hd], shape from Shape/Gather/Concat) ->
-    Transpose``; RoPE on Q, K; the KV cache scatter; ``MatMul(Q, Transpose(K_cache)) -> Mul
+    Q/K/V ``MatMul + bias (Qwen1.5) -> Reshape([1, seq, n, hd], shape from Shape/Gather/Concat) ->
+    [RMSNorm over hd, Q and K, Qwen3] -> Transpose``; RoPE on Q, K; the KV cache scatter; ``MatMul(Q, Transpose(K_cache)) -> Mul
     1/sqrt(hd) -> Add mask -> Softmax -> [Cast f32 -> Cast f16, fp16 only] -> MatMul(V_cache)
     -> Transpose -> Reshape [1, seq, heads*hd] -> MatMul(W_o)``.  With ``kv_heads < heads`` the
     cache is repeated per query group (Unsqueeze/Expand/Reshape) before the two MatMuls.
@@ -344,9 +422,14 @@ def attention(b: _GraphBuilder, x: str, i: int, rope: tuple[str, str], mask: str
     batch_1d, seq_1d = b.dims(x, 0, 1)
 
     def heads(name: str, n: int) -> str:
-        y = b.op("Add", b.op("MatMul", x, f"{p}.{name}_proj.weight"), f"{p}.{name}_proj.bias")
+        y = b.op("MatMul", x, f"{p}.{name}_proj.weight")
+        if cfg.attn_bias:
+            y = b.op("Add", y, f"{p}.{name}_proj.bias")
         shape = b.op("Concat", batch_1d, seq_1d, b.const([n]), b.const([cfg.head_dim]), axis=0)
-        return b.op("Transpose", b.op("Reshape", y, shape), perm=[0, 2, 1, 3])
+        y = b.op("Reshape", y, shape)
+        if cfg.qk_norm and name in ("q", "k"):  # Qwen3: RMSNorm over head_dim of [1, seq, n, hd], before RoPE
+            y = rms_norm(b, y, f"{p}.{name}_norm.weight", cfg)
+        return b.op("Transpose", y, perm=[0, 2, 1, 3])
 
     q = apply_rope(b, heads("q", cfg.heads), *rope)
     k = apply_rope(b, heads("k", cfg.kv_heads), *rope)
@@ -376,7 +459,8 @@ def moe(b: _GraphBuilder, h: str, i: int, cfg: SeedConfig) -> str:
     """Seed "Router" + "Expert Computation (INT4 QDQ, gather-then-compute)": ``[seq, H]`` -> ``[seq, H]``.
 
     Router ``MatMul [H, E] -> Softmax(-1) -> Cast(f32, fp16 only) -> TopK(k)``; values are not
-    renormalized (Qwen1.5-MoE) and are Cast back to the model dtype (fp16 only).  For each of
+    renormalized (Qwen1.5-MoE; Qwen3: ``Div(values, ReduceSum(values))``) and are Cast back to the model dtype
+    (fp16 only).  For each of
     gate/up/down: ``Gather`` codes / scales / zero points by ``Reshape(indices, [-1])`` ->
     ``Cast(UINT4)`` codes and zero points -> ``DequantizeLinear(axis=2, block_size)`` ->
     ``Transpose [0, 2, 1]``.  Hidden ``Unsqueeze -> Tile [1, k, 1] -> Reshape [seq*k, 1, H]``;
@@ -388,6 +472,8 @@ def moe(b: _GraphBuilder, h: str, i: int, cfg: SeedConfig) -> str:
     if cfg.is_fp16:
         probs = b.op("Cast", probs, to=TensorProto.FLOAT)
     values, indices = b.op("TopK", probs, b.const([cfg.top_k]), axis=-1, outputs=2)
+    if cfg.norm_topk:  # Qwen3: routing_weights /= routing_weights.sum(-1, keepdim=True), in float32
+        values = b.op("Div", values, b.op("ReduceSum", values, b.const([-1]), keepdims=1))
     if cfg.is_fp16:
         values = b.op("Cast", values, to=cfg.onnx_dtype)
     flat_indices = b.op("Reshape", indices, b.const([-1]))
@@ -431,14 +517,17 @@ def shared_expert(b: _GraphBuilder, h: str, i: int) -> str:
 
 
 def decoder_layer(b: _GraphBuilder, x: str, i: int, rope, mask: str, positions: str, cfg: SeedConfig) -> str:
-    """One layer, ``[1, seq, H]`` -> ``[1, seq, H]``: pre-norm attention and pre-norm MoE, both residual."""
+    """One layer, ``[1, seq, H]`` -> ``[1, seq, H]``: pre-norm attention and pre-norm MoE (routed experts, plus the
+    shared expert where the config has one), both residual."""
     with b.scope("self_attn"):
         attn = attention(b, rms_norm(b, x, f"layers.{i}.input_layernorm.weight", cfg), i, rope, mask, positions, cfg)
     x = b.op("Add", x, attn)
     with b.scope("mlp"):
         h = rms_norm(b, x, f"layers.{i}.post_attention_layernorm.weight", cfg)
         h = b.op("Reshape", h, b.const([-1, cfg.hidden]))
-        out = b.op("Add", moe(b, h, i, cfg), shared_expert(b, h, i))
+        out = moe(b, h, i, cfg)
+        if cfg.shared_intermediate:
+            out = b.op("Add", out, shared_expert(b, h, i))
         out = b.op("Reshape", out, b.op("Shape", x))
     return b.op("Add", x, out)
 
@@ -447,24 +536,9 @@ def _inv_freq(cfg: SeedConfig) -> np.ndarray:
     return (1.0 / ROPE_THETA ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim)).astype(np.float32)
 
 
-def build_seed_model(
-    dtype: str = "fp32",
-    *,
-    hidden: int = 256,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 4,
-    head_dim: int = 64,
-    experts: int = 8,
-    top_k: int = 4,
-    moe_intermediate: int = 192,
-    shared_intermediate: int = 256,
-    vocab: int = 512,
-    max_seq: int = 64,
-    block_size: int = 128,
-    seed: int = 0,
-) -> tuple[onnx.ModelProto, SeedWeights]:
-    """Build the static-cache decoder graph and return ``(model, weights)``.
+def build_seed_model(dtype: str = "fp32", *, arch: str = "qwen2_moe", seed: int = 0,
+                     **sizes) -> tuple[onnx.ModelProto, SeedWeights]:
+    """Build the static-cache decoder graph with its weights inline and return ``(model, weights)``.
 
     Inputs: ``input_ids`` int64 ``[1, "seq_len"]``, ``seq_position`` int64 ``[1]`` (cache write
     offset), ``past_key_{i}`` / ``past_value_{i}`` ``[1, kv_heads, max_seq, head_dim]``.
@@ -472,33 +546,42 @@ def build_seed_model(
     like the pasts.  Floats are in ``dtype`` (fp32 / fp16).  Expert weights are stored as UINT4
     codes (one per uint8 byte) with scales in ``dtype`` and UINT4 zero points (one per uint8);
     ``weights`` holds everything else in ``dtype`` and the experts dequantized.
+
+    Args:
+        arch: ``"qwen2_moe"`` (the seed's Qwen1.5-MoE form) or ``"qwen3_moe"`` (`ARCHS`).
+        seed: seed of the float weights (numpy's default generator), quantized for the experts.
+        sizes: `SeedConfig` fields overriding the arch's (``hidden``, ``layers``, ``heads``, ...).
+
+    Raises:
+        ValueError: see `seed_config`.
     """
-    cfg = SeedConfig(dtype, hidden, layers, heads, kv_heads, head_dim, experts, top_k,
-                     moe_intermediate, shared_intermediate, vocab, max_seq, block_size)  # fmt: skip
-    if heads % kv_heads or head_dim % 2:
-        raise ValueError("heads must be a multiple of kv_heads and head_dim even")
+    cfg = seed_config(dtype, arch, **sizes)
     float_weights = _random_weights(cfg, seed)
     b = _GraphBuilder()
     tensors: dict[str, np.ndarray] = {"rope.inv_freq": _inv_freq(cfg)}
     for name, w in float_weights.items():
         if ".experts." in name:
-            codes, scales, zeros = quantize_uint4_blockwise(w, block_size, cfg.np_dtype)
+            codes, scales, zeros = quantize_uint4_blockwise(w, cfg.block_size, cfg.np_dtype)
             base = name.removesuffix(".weight")
             b.weight(f"{base}.qweight", codes)
             b.weight(f"{base}.scales", scales)
             b.weight(f"{base}.zero_points", zeros)
-            tensors[name] = dequantize_uint4_blockwise(codes, scales, zeros, block_size)
+            tensors[name] = dequantize_uint4_blockwise(codes, scales, zeros, cfg.block_size)
         else:
             tensors[name] = w.astype(cfg.np_dtype)
             b.weight(name, tensors[name])
+    return _build_graph(b, cfg), SeedWeights(cfg, tensors)
 
+
+def _build_graph(b: _GraphBuilder, cfg: SeedConfig) -> onnx.ModelProto:
+    """The model around the weights ``b`` already holds (or refers to), named as `weight_specs` names them."""
     with b.scope("model"):
         x = b.op("Gather", "embed_tokens.weight", "input_ids", axis=0)
         seq = b.op("Gather", b.op("Shape", "input_ids"), b.const(1), axis=0)
         positions = b.op("Add", "seq_position", b.op("Range", b.const(0), seq, b.const(1)))
         rope = rotary_embedding(b, positions, cfg)
         mask = causal_mask(b, positions, b.op("Add", "seq_position", seq), cfg)
-        for i in range(layers):
+        for i in range(cfg.layers):
             with b.scope(f"layers.{i}"):
                 x = decoder_layer(b, x, i, rope, mask, positions, cfg)
         x = rms_norm(b, x, "norm.weight", cfg)
@@ -506,7 +589,7 @@ def build_seed_model(
 
     def kv(prefix: str) -> list[onnx.ValueInfoProto]:
         return [helper.make_tensor_value_info(f"{prefix}_{kind}_{i}", cfg.onnx_dtype, cfg.kv_shape)
-                for i in range(layers) for kind in ("key", "value")]  # fmt: skip
+                for i in range(cfg.layers) for kind in ("key", "value")]  # fmt: skip
 
     graph = helper.make_graph(
         b.nodes,
@@ -516,12 +599,74 @@ def build_seed_model(
             helper.make_tensor_value_info("seq_position", TensorProto.INT64, [1]),
             *kv("past"),
         ],
-        [helper.make_tensor_value_info("logits", cfg.onnx_dtype, [1, "seq_len", vocab]), *kv("present")],
+        [helper.make_tensor_value_info("logits", cfg.onnx_dtype, [1, "seq_len", cfg.vocab]), *kv("present")],
         initializer=b.initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="rewrite.examples.seed_form")
     model.ir_version = IR_VERSION
-    return model, SeedWeights(cfg, tensors)
+    return model
+
+
+#: byte alignment of each tensor in a seeded data file: ONNX Runtime maps page-aligned external data instead of
+#: reading it into memory
+PAGE = 4096
+
+
+def seeded_slots(cfg: SeedConfig) -> list[seeded_weights.TensorSlot]:
+    """The external-data layout of `export_seeded`: every weight of `weight_specs` in the model dtype, each expert
+    stack as ``.qweight`` UINT8 ``[E, out, in]`` (one code per byte), ``.scales`` ``[E, out, ceil(in / block)]``
+    in the model dtype and ``.zero_points`` UINT8 like the scales; `PAGE`-aligned."""
+    tensors = []
+    for name, shape, kind in weight_specs(cfg):
+        if kind == "float":
+            tensors.append((name, shape, cfg.onnx_dtype))
+            continue
+        base, blocks = name.removesuffix(".weight"), (*shape[:-1], math.ceil(shape[-1] / cfg.block_size))
+        tensors += [(f"{base}.qweight", shape, TensorProto.UINT8), (f"{base}.scales", blocks, cfg.onnx_dtype),
+                    (f"{base}.zero_points", blocks, TensorProto.UINT8)]
+    return seeded_weights.layout(tensors, align=PAGE)
+
+
+def export_seeded(arch: str, out_dir: str | Path, *, dtype: str = "fp16", seed: int = 0, threads: int | None = None,
+                  progress=None, **sizes) -> Path:
+    """Write the seed form of ``arch`` with seeded weights: ``out_dir/model.onnx`` (the graph, a few MB) and
+    ``out_dir/model.onnx.data`` (every weight, drawn by `seeded_weights` from (``seed``, tensor name) and written
+    tensor by tensor, so memory stays at a few chunks per thread whatever the size).
+
+    The experts are drawn directly as INT4 codes, scales and zero points (`seeded_weights.init_kind`), the form the
+    seed's models ship in; the seed is recorded in the model's metadata, so ``python examples/seeded_weights.py
+    regenerate model.onnx`` rebuilds the identical data file from the graph alone.
+
+    Args:
+        arch: ``"qwen2_moe"`` or ``"qwen3_moe"``.
+        dtype: ``"fp16"`` or ``"fp32"``: float weights, scales and activations.
+        sizes: `SeedConfig` fields; ``**FULL[arch]`` gives the real model (Qwen3-30B-A3B: 32.7 GB of data).
+        progress: called with each tensor's byte length once it is written.
+
+    Returns:
+        The path of ``model.onnx``.
+
+    Raises:
+        ValueError: see `seed_config`.
+    """
+    cfg = seed_config(dtype, arch, **sizes)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path, data = out_dir / "model.onnx", out_dir / "model.onnx.data"
+    slots = seeded_slots(cfg)
+    seeded_weights.write(data, slots, seed, threads=threads, progress=progress)
+    b = _GraphBuilder()
+    for slot in slots:
+        tensor = TensorProto(name=slot.name, data_type=slot.elem_type, dims=slot.shape,
+                             data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", data.name), ("offset", str(slot.offset)), ("length", str(slot.length))):
+            tensor.external_data.add(key=key, value=value)
+        b.initializers.append(tensor)
+    model = _build_graph(b, cfg)
+    model.graph.name = f"seed_form_{arch}"
+    helper.set_model_props(model, {seeded_weights.METADATA_KEY: seeded_weights.metadata(seed, {})})
+    onnx.save(model, str(path))
+    return path
 
 
 def save_seed_model(model: onnx.ModelProto, path: str | Path) -> Path:
@@ -570,8 +715,13 @@ def ref_attention(x, w, i, cos, sin, mask, seq_position, past, cfg: SeedConfig):
     seq = x.shape[1]
 
     def heads(name, n):
-        y = x @ w[f"{p}.{name}_proj.weight"] + w[f"{p}.{name}_proj.bias"]
-        return y.reshape(1, seq, n, cfg.head_dim).transpose(1, 2)
+        y = x @ w[f"{p}.{name}_proj.weight"]
+        if cfg.attn_bias:
+            y = y + w[f"{p}.{name}_proj.bias"]
+        y = y.reshape(1, seq, n, cfg.head_dim)
+        if cfg.qk_norm and name in ("q", "k"):
+            y = ref_rms_norm(y, w[f"{p}.{name}_norm.weight"])
+        return y.transpose(1, 2)
 
     q = ref_rope(heads("q", cfg.heads), cos, sin)
     k = ref_rope(heads("k", cfg.kv_heads), cos, sin)
@@ -587,10 +737,13 @@ def ref_attention(x, w, i, cos, sin, mask, seq_position, past, cfg: SeedConfig):
 
 
 def ref_moe(h: torch.Tensor, w, i, cfg: SeedConfig) -> torch.Tensor:
-    """Routed experts on ``h`` ``[seq, H]``: softmax in the model dtype, then float top-k, no renormalization."""
+    """Routed experts on ``h`` ``[seq, H]``: softmax in the model dtype, then float top-k, renormalized in float32
+    where the config says so."""
     p = f"layers.{i}.mlp"
     probs = torch.softmax(h @ w[f"{p}.gate.weight"], dim=-1).float()
     values, indices = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.norm_topk:
+        values = values / values.sum(-1, keepdim=True)
     flat = indices.reshape(-1)
     gate_w, up_w, down_w = (w[f"{p}.experts.{n}_proj.weight"][flat].transpose(1, 2) for n in ("gate", "up", "down"))
     tiled = h.unsqueeze(1).repeat_interleave(cfg.top_k, dim=0)  # [seq*k, 1, H], token-major
@@ -643,7 +796,10 @@ def seed_reference(
         presents.append((key_cache.numpy(), value_cache.numpy()))
         x = x + attn
         h = ref_rms_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"]).reshape(-1, cfg.hidden)
-        x = x + (ref_moe(h, w, i, cfg) + ref_shared_expert(h, w, i)).reshape(x.shape)
+        out = ref_moe(h, w, i, cfg)
+        if cfg.shared_intermediate:
+            out = out + ref_shared_expert(h, w, i)
+        x = x + out.reshape(x.shape)
     logits = ref_rms_norm(x, w["norm.weight"]) @ w["lm_head.weight"]
     return logits.numpy(), presents
 
@@ -730,12 +886,27 @@ def check_seed_model(model: onnx.ModelProto, weights: SeedWeights, *, steps: int
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen2_moe")
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny",
+                        help="tiny: the toy sizes, weights inline, checked against PyTorch (a JSON report); full: the "
+                             "real configuration (FULL) with seeded weights written to --out/model.onnx.data")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp16")
-    parser.add_argument("--out", type=Path, default=Path("out/seed_fp16.onnx"))
+    parser.add_argument("--out", type=Path, default=Path("out/seed_fp16.onnx"),
+                        help="tiny: the .onnx file; full: the folder")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="full: writer threads (default: every core)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=5)
     args = parser.parse_args(argv)
-    model, weights = build_seed_model(args.dtype)
+    if args.size == "full":
+        path = export_seeded(args.arch, args.out, dtype=args.dtype, seed=args.seed, threads=args.threads,
+                             **FULL[args.arch])
+        data = path.parent / "model.onnx.data"
+        report = {"path": str(path), "data_bytes": data.stat().st_size,
+                  "regenerate": f"python examples/seeded_weights.py regenerate {path}"}
+        print(json.dumps(report, indent=2))
+        return report
+    model, weights = build_seed_model(args.dtype, arch=args.arch, seed=args.seed)
     path = save_seed_model(model, args.out)
     report = {
         "path": str(path),

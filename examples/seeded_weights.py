@@ -13,6 +13,11 @@ Values (``init_kind`` picks by name, in the spirit of transformers' ``_init_weig
 - norm weights (``*norm.weight``, ``*layernorm.weight``): 1.0;
 - router weights (``*.mlp.gate.weight``): uniform with std 0.5 (`ROUTER_STD`): a router at the default std routes by
   rounding noise, and runtimes then disagree on the selection;
+- INT4 weights in the seed's form (``*.qweight`` UINT8 codes, ``*.zero_points`` UINT8, ``*.scales`` float; see
+  ``examples/seed_form.py``): codes uniform in 0..15, zero points uniform in 7..8 (mean 7.5, the codes' mean, so the
+  weights have mean 0 and no common offset builds up in the residual stream across layers), scales uniform in
+  [0.5, 1.5] x `WEIGHT_STD` / 4.6, so that ``(code - zero_point) * scale`` has about std `WEIGHT_STD` (codes uniform in
+  0..15 have std 4.6);
 - everything else: uniform with std 0.02 (transformers' ``initializer_range``), biases included.
 
 CLI: ``python examples/seeded_weights.py regenerate model.onnx --seed 0`` writes the external data ``model.onnx``
@@ -40,7 +45,10 @@ ALIGN = 64  # byte alignment of each tensor in the data file (mmap and vector lo
 METADATA_KEY = "seeded_weights"  # model metadata_props key: seed and derived tensors (see `metadata`)
 
 _DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
-_ITEMSIZE = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2}
+_ITEMSIZE = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2,
+             onnx.TensorProto.UINT8: 1}
+_CODE_STD = math.sqrt((16**2 - 1) / 12)  # std of codes uniform in 0..15
+_INTEGER_KINDS = {"codes": (0, 15), "zero_points": (7, 8)}  # inclusive ranges of the UINT8 kinds
 
 
 @dataclass(frozen=True)
@@ -62,28 +70,39 @@ class TensorSlot:
     length: int
 
 
-def layout(tensors: Iterable[tuple[str, Sequence[int], int]]) -> list[TensorSlot]:
-    """Consecutive `ALIGN`-aligned slots for ``(name, shape, elem_type)`` tensors, in the order given.
+def layout(tensors: Iterable[tuple[str, Sequence[int], int]], *, align: int = ALIGN) -> list[TensorSlot]:
+    """Consecutive ``align``-aligned slots for ``(name, shape, elem_type)`` tensors, in the order given.
 
     Raises:
-        ValueError: an element type other than FLOAT, FLOAT16, BFLOAT16.
+        ValueError: an element type other than FLOAT, FLOAT16, BFLOAT16 and UINT8 (INT4 codes and zero points,
+            `init_kind`), or a UINT8 tensor `init_kind` does not name as codes or zero points.
     """
     slots, offset = [], 0
     for name, shape, elem_type in tensors:
         if elem_type not in _ITEMSIZE:
             raise ValueError(f"tensor '{name}': element type {onnx.TensorProto.DataType.Name(elem_type)} is not "
-                             f"generated (float32, float16, bfloat16)")
+                             f"generated (float32, float16, bfloat16, uint8 codes)")
+        if (elem_type == onnx.TensorProto.UINT8) != (init_kind(name)[0] in _INTEGER_KINDS):
+            raise ValueError(f"tensor '{name}': {onnx.TensorProto.DataType.Name(elem_type)} is generated only for "
+                             f"INT4 codes and zero points ('*.qweight', '*.zero_points'), and those only as UINT8")
         length = math.prod(shape) * _ITEMSIZE[elem_type]
         slots.append(TensorSlot(name, tuple(int(d) for d in shape), elem_type, offset, length))
-        offset += length + (-length) % ALIGN
+        offset += length + (-length) % align
     return slots
 
 
 def init_kind(name: str) -> tuple[str, float]:
-    """``("ones", 1.0)`` for norm weights, else ``("uniform", std)``: `ROUTER_STD` for router weights, `WEIGHT_STD`
-    otherwise (see the module docstring)."""
+    """How the tensor ``name`` is drawn (see the module docstring): ``("ones", 1.0)`` for norm weights, ``("codes",
+    0)`` and ``("zero_points", 0)`` for INT4 codes and zero points, ``("scales", mean)`` for their scales, else
+    ``("uniform", std)``: `ROUTER_STD` for router weights, `WEIGHT_STD` otherwise."""
     if name.endswith("norm.weight"):
         return "ones", 1.0
+    if name.endswith(".qweight"):
+        return "codes", 0.0
+    if name.endswith(".zero_points"):
+        return "zero_points", 0.0
+    if name.endswith(".scales"):
+        return "scales", WEIGHT_STD / _CODE_STD
     if name.endswith("mlp.gate.weight"):
         return "uniform", ROUTER_STD
     return "uniform", WEIGHT_STD
@@ -95,8 +114,9 @@ def _generator(seed: int, name: str) -> np.random.Generator:
 
 
 def _encode(values: np.ndarray, elem_type: int) -> bytes:
-    """float32 values as the bytes of ``elem_type`` (bfloat16: round to nearest even, as torch does)."""
-    if elem_type == onnx.TensorProto.FLOAT:
+    """float32 values as the bytes of ``elem_type`` (bfloat16: round to nearest even, as torch does; UINT8 values are
+    already uint8)."""
+    if elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.UINT8):
         return values.tobytes()
     if elem_type == onnx.TensorProto.FLOAT16:
         return values.astype(np.float16).tobytes()
@@ -115,8 +135,17 @@ def tensor_chunks(seed: int, slot: TensorSlot) -> Iterable[bytes]:
     while done < count:
         n = min(CHUNK, count - done)
         out = buf[:n]
+        if kind in _INTEGER_KINDS:
+            lo, hi = _INTEGER_KINDS[kind]
+            yield gen.integers(lo, hi + 1, size=n, dtype=np.uint8).tobytes()
+            done += n
+            continue
         if kind == "ones":
             out.fill(1.0)
+        elif kind == "scales":  # uniform in [0.5, 1.5] x mean
+            gen.random(out=out, dtype=np.float32)
+            out += np.float32(0.5)
+            out *= np.float32(std)
         else:
             gen.random(out=out, dtype=np.float32)
             out *= 2 * half_width
@@ -126,8 +155,11 @@ def tensor_chunks(seed: int, slot: TensorSlot) -> Iterable[bytes]:
 
 
 def tensor_values(seed: int, slot: TensorSlot) -> np.ndarray:
-    """``slot``'s tensor as a numpy array (float32; small tensors and tests: the whole tensor is in memory)."""
+    """``slot``'s tensor as a numpy array (float32, or uint8 for UINT8 slots; small tensors and tests: the whole
+    tensor is in memory)."""
     raw = b"".join(tensor_chunks(seed, slot))
+    if slot.elem_type == onnx.TensorProto.UINT8:
+        return np.frombuffer(raw, np.uint8).reshape(slot.shape)
     if slot.elem_type == onnx.TensorProto.FLOAT:
         return np.frombuffer(raw, np.float32).reshape(slot.shape)
     if slot.elem_type == onnx.TensorProto.FLOAT16:

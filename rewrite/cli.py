@@ -270,12 +270,16 @@ def explain_cmd(model, plugin_names, node, dims, show_all, json_path, freeze_inp
 @click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False), help=".npz of inputs by name (default: generated).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), help="Write the outputs to this .npz.")
-def run_cmd(folder, inputs_path, seed, save_path) -> None:
+@click.option("--low-memory/--no-low-memory", "low_memory", default=None,
+              help="Keep an ort folder's weights memory-mapped (ONNX Runtime prepacking off: memory that does not grow "
+                   "with the weights, calls about 10x slower). Default: on when the folder's files exceed 40% of the "
+                   "available memory.")
+def run_cmd(folder, inputs_path, seed, save_path, low_memory) -> None:
     """Run a lowered output FOLDER on its runtime and summarize the outputs."""
     from rewrite.backends import load_runner
     from rewrite.verify import default_feeds
 
-    runner = load_runner(folder)
+    runner = load_runner(folder, low_memory=low_memory)
     feeds = _load_feeds(inputs_path) or default_feeds(Path(folder), seed=seed)
     outs = runner.run(feeds)
     for k, v in outs.items():
@@ -292,7 +296,11 @@ def run_cmd(folder, inputs_path, seed, save_path) -> None:
 @click.option("--compare", "compare_model", type=click.Path(dir_okay=False), default=None,
               help="Also run this ONNX model (e.g. the source, or the quant4 model for a quant4 folder) on ONNX Runtime "
                    "at the basic level, fed the same tokens, and compare the logits of every call (exit 1 past tolerance).")
-def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model) -> None:
+@click.option("--low-memory/--no-low-memory", "low_memory", default=None,
+              help="Keep an ort folder's weights memory-mapped (ONNX Runtime prepacking off: memory that does not grow "
+                   "with the weights, calls about 10x slower). Default: on when the folder's files exceed 40% of the "
+                   "available memory.")
+def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model, low_memory) -> None:
     """Prefill --prompt-ids and decode greedily through FOLDER (stateful or not); print the new token ids."""
     import gc
     import time
@@ -303,7 +311,10 @@ def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model) -> None:
         ids = [int(t) for t in prompt_ids.split(",") if t.strip()]
     except ValueError:
         raise click.BadParameter(f"'{prompt_ids}': expected comma-separated integers", param_hint="--prompt-ids") from None
-    gen = Generator(folder)
+    from rewrite.backends import needs_low_memory
+
+    low_memory = needs_low_memory(folder) if low_memory is None else low_memory
+    gen = Generator(folder, low_memory=low_memory)
     t0 = time.perf_counter()
     res = gen.generate(ids, max_new_tokens)
     dt = time.perf_counter() - t0
@@ -313,18 +324,18 @@ def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model) -> None:
         return
     del gen  # one model in memory at a time: a full-size folder and its reference do not fit together
     gc.collect()
-    ok = _compare_decoding(compare_model, folder, ids, res)
+    ok = _compare_decoding(compare_model, folder, ids, res, low_memory)
     sys.exit(0 if ok else 1)
 
 
-def _compare_decoding(model: str, folder: str, ids: list[int], res) -> bool:
+def _compare_decoding(model: str, folder: str, ids: list[int], res, low_memory: bool) -> bool:
     """Teacher-forced reference run of ``model`` on ``res.tokens``; prints one line per call and a verdict."""
     from rewrite.generate import Generator
     from rewrite.verify import compare, describe_comparison
 
-    click.echo(describe_comparison(model, folder).replace("verify:", "compare:", 1))
+    click.echo(describe_comparison(model, folder, low_memory=low_memory).replace("verify:", "compare:", 1))
 
-    ref = Generator.reference(model).replay(ids, res.tokens)
+    ref = Generator.reference(model, low_memory=low_memory).replay(ids, res.tokens)
     ref_tokens = [int(np.argmax(r[0, -1])) for r in ref]
     ok = True
     for k, (got, want) in enumerate(zip(res.logits, ref)):
@@ -346,13 +357,19 @@ def _compare_decoding(model: str, folder: str, ids: list[int], res) -> bool:
 @click.option("--rtol", type=float, default=None, help="Relative tolerance for float outputs (default by dtype: f32 1e-4, f16 1e-2).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--locate", is_flag=True, help="Expose intermediate values and name the first node that differs.")
-def verify_cmd(model, folder, inputs_path, rtol, seed, locate) -> None:
+@click.option("--low-memory/--no-low-memory", "low_memory", default=None,
+              help="Keep an ort folder's weights memory-mapped (ONNX Runtime prepacking off: memory that does not grow "
+                   "with the weights, calls about 10x slower). Default: on when the folder's files exceed 40% of the "
+                   "available memory.")
+def verify_cmd(model, folder, inputs_path, rtol, seed, locate, low_memory) -> None:
     """Compare FOLDER's lowered model with MODEL on ONNX Runtime CPU (exit 1 when beyond tolerance)."""
     from rewrite import verify as v
+    from rewrite.backends import needs_low_memory
 
     feeds = _load_feeds(inputs_path)
-    click.echo(v.describe_comparison(model, folder))
-    res = v.verify(model, folder, feeds=feeds, rtol=rtol, seed=seed)
+    low_memory = needs_low_memory(folder) if low_memory is None else low_memory
+    click.echo(v.describe_comparison(model, folder, low_memory=low_memory))
+    res = v.verify(model, folder, feeds=feeds, rtol=rtol, seed=seed, low_memory=low_memory)
     for c in res:
         click.echo(c.line())
     ok = all(c.ok for c in res)
@@ -370,7 +387,8 @@ def _exit_on_signal(signum, _frame) -> None:
 
 
 def main() -> None:
-    """Console-script entry point: turns RewriteError into ``error: ...`` and exit status 2; SIGTERM and SIGHUP
+    """Console-script entry point: turns RewriteError (and OSError: a full disk, a missing permission) into
+    ``error: ...`` and exit status 2; SIGTERM and SIGHUP
     end the run like Ctrl-C does (nothing half-written left behind, child processes ended), exit 128 + signal."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
@@ -384,6 +402,9 @@ def main() -> None:
         click.echo(f"error: {e.format_message()}{hint}", err=True)
         sys.exit(2)
     except RewriteError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:  # the machine's, not the model's: a full disk, a missing permission
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 

@@ -57,13 +57,14 @@ class GenerateResult:
 
 
 class Generator:
-    """Loads ``folder`` (an output of ``rewrite apply``) and decodes greedily through it.
+    """Loads ``folder`` (an output of ``rewrite apply``) and decodes greedily through it (``low_memory``: see
+    :func:`rewrite.backends.load_runner`).
 
     Raises:
         GenerationError: the model's inputs are not a decoder interface this module knows (see module docstring).
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, *, low_memory: bool | None = None):
         self.folder = Path(folder)
         manifest = Manifest.read(self.folder)
         specs = manifest.input_specs
@@ -73,17 +74,19 @@ class Generator:
             if iface is not None:
                 iface.pairs = [p for p in iface.pairs if p.past in {s.name for s in specs}]
         self.manifest = manifest
-        self._setup(str(folder), load_runner(self.folder), specs, iface, manifest.state[0] if manifest.state else None)
+        self._setup(str(folder), load_runner(self.folder, low_memory=low_memory), specs, iface,
+                    manifest.state[0] if manifest.state else None)
 
     @classmethod
-    def reference(cls, model_path: str | Path) -> "Generator":
+    def reference(cls, model_path: str | Path, *, low_memory: bool = False) -> "Generator":
         """A generator over an ONNX file itself on ONNX Runtime CPU at the "basic" optimization level (exact
-        graph semantics): the reference that lowered folders are compared with.
+        graph semantics): the reference that lowered folders are compared with. ``low_memory``: prepacking off
+        (:data:`rewrite.backends.ort.NO_PREPACKING`), the weights stay in their memory-mapped file.
 
         Raises:
             GenerationError: the model is not a decoder this module drives.
         """
-        from rewrite.backends.ort import OrtRunner
+        from rewrite.backends.ort import NO_PREPACKING, OrtRunner
         from rewrite.core.feeds import input_specs
         from rewrite.core.shapes import resolve_exporter_dims
 
@@ -93,7 +96,8 @@ class Generator:
         iface = decoder_interface(graph)
         self = cls.__new__(cls)
         self.folder, self.manifest = None, None
-        self._setup(str(model_path), OrtRunner(Path(model_path), optimize="basic", decoder=iface), specs, iface, None)
+        self._setup(str(model_path), OrtRunner(Path(model_path), optimize="basic", decoder=iface,
+                                                    config=dict(NO_PREPACKING) if low_memory else None), specs, iface, None)
         return self
 
     def _setup(self, where: str, runner, specs, iface, state) -> None:

@@ -87,6 +87,7 @@ def rewrite_graph(graph: Graph, plugins: list[Plugin], ctx: RewriteContext, *, d
             reports.append(run_plugin(graph, p, ctx, dry_run=dry_run))
             if not dry_run:
                 graph.remove_unused_initializers()
+                graph.release_spilled()  # the plugin's snapshot is gone: what it replaced cannot come back
     return reports
 
 

@@ -12,6 +12,7 @@ where the backend's result first goes wrong.
 
 from __future__ import annotations
 
+import gc
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from rewrite.backends import get_backend, load_runner
+from rewrite.backends import get_backend, load_runner, needs_low_memory
 from rewrite.backends.base import Manifest
-from rewrite.backends.ort import OrtRunner
+from rewrite.backends.ort import NO_PREPACKING, OrtRunner
 from rewrite.core import onnx_io
 from rewrite.core.feeds import make_feeds
 from rewrite.core.ir import Graph, dtype_name
@@ -106,10 +107,12 @@ class Located:
         return f"first differing node: '{self.node}' ({self.op_type}) inputs [{', '.join(self.inputs)}]: {errs}  [{self.probed} values probed]"
 
 
-def reference_outputs(model_path: str | Path, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+def reference_outputs(model_path: str | Path, feeds: dict[str, np.ndarray], outputs: list[str] | None = None, *,
+                      low_memory: bool = False) -> dict[str, np.ndarray]:
     """Run the original model on ONNX Runtime CPU with the feeds it takes, at the "basic" optimization
-    level (exact graph semantics: no approximate fusions such as MatMulNBits accuracy_level 4)."""
-    r = OrtRunner(Path(model_path), optimize="basic")
+    level (exact graph semantics: no approximate fusions such as MatMulNBits accuracy_level 4); ``low_memory``:
+    prepacking off (:data:`rewrite.backends.ort.NO_PREPACKING`)."""
+    r = OrtRunner(Path(model_path), optimize="basic", config=dict(NO_PREPACKING) if low_memory else None)
     return r.run({k: v for k, v in feeds.items() if k in r.input_names}, outputs)
 
 
@@ -119,10 +122,11 @@ def default_feeds(folder: Path, *, seed: int = 0) -> dict[str, np.ndarray]:
     return make_feeds(m.input_specs, m.dims, seed=seed)
 
 
-def describe_comparison(model_path: str | Path, folder: str | Path) -> str:
+def describe_comparison(model_path: str | Path, folder: str | Path, *, low_memory: bool = False) -> str:
     """One line saying what ``verify`` compares: the folder as its manifest says it runs (backend, target, the
-    ONNX Runtime session of an ``ort`` folder, the plugins applied and which of them change outputs by design)
-    against ``model_path`` on ONNX Runtime CPU at the basic level.
+    ONNX Runtime session of an ``ort`` folder, with ``low_memory`` its weights kept memory-mapped, the plugins
+    applied and which of them change outputs by design) against ``model_path`` on ONNX Runtime CPU at the basic
+    level.
 
     Raises:
         BackendError: ``folder`` holds no readable manifest.
@@ -132,6 +136,8 @@ def describe_comparison(model_path: str | Path, folder: str | Path) -> str:
     if m.session:
         cfg = "".join(f", {k}={v}" for k, v in sorted(m.session.get("config", {}).items()))
         how += f", ONNX Runtime session level {m.session.get('optimize')}{cfg}"
+        if low_memory:
+            how += ", weights memory-mapped (prepacking off: --low-memory)"
     plugins = available_plugins()
     lossy = [p for p in m.plugins if p in plugins and plugins[p].lossy]
     used = ", ".join(m.plugins) or "none"
@@ -140,15 +146,24 @@ def describe_comparison(model_path: str | Path, folder: str | Path) -> str:
 
 
 def verify(model_path: str | Path, folder: str | Path, *, feeds: dict[str, np.ndarray] | None = None,
-           rtol: float | None = None, seed: int = 0) -> list[Comparison]:
-    """Compare every output of ``folder``'s lowered model with the original on ONNX Runtime."""
+           rtol: float | None = None, seed: int = 0, low_memory: bool | None = None) -> list[Comparison]:
+    """Compare every output of ``folder``'s lowered model with the original on ONNX Runtime.
+
+    One model is loaded at a time (the lowered one is released before the original is loaded), so a full-size
+    pair needs the memory of the larger, not of both; ``low_memory`` (default: by size, see
+    :func:`rewrite.backends.load_runner`) keeps the folder's weights memory-mapped."""
     folder = Path(folder)
     _check_same_interface(model_path, folder)
-    runner = load_runner(folder)
+    if low_memory is None:
+        low_memory = needs_low_memory(folder)
+    runner = load_runner(folder, low_memory=low_memory)
     feeds = feeds if feeds is not None else default_feeds(folder, seed=seed)
     got = runner.run(feeds)
-    ref = reference_outputs(model_path, feeds)
-    return [compare(n, got[n], ref[n], rtol) for n in runner.output_names if n in ref]
+    names = list(runner.output_names)
+    del runner
+    gc.collect()  # the lowered session's weights go before the original's are mapped
+    ref = reference_outputs(model_path, feeds, low_memory=low_memory)
+    return [compare(n, got[n], ref[n], rtol) for n in names if n in ref]
 
 
 def _check_same_interface(model_path: str | Path, folder: Path) -> None:

@@ -165,3 +165,58 @@ def test_cli_writes_the_model_and_reports(tmp_path, capsys):
     assert out.exists() and onnx.load(out).graph.name == "seed_form_qwen_moe"
     assert report["op_counts"]["ScatterElements"] == 2 * LAYERS
     assert '"max_rel"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("fp32", 1e-4), ("fp16", 1e-2)])
+def test_qwen3_form_matches_torch_reference(dtype, tolerance):
+    """arch="qwen3_moe": RMSNorm of every query and key head, no q/k/v bias, renormalized top-k, no shared expert;
+    ONNX Runtime agrees with the PyTorch reference through prefill and greedy decode."""
+    model, weights = seed_form.build_seed_model(dtype, arch="qwen3_moe", layers=LAYERS)
+    ops = [n.op_type for n in model.graph.node]
+    names = _initializers(model)
+    assert {f"layers.0.self_attn.{p}_norm.weight" for p in "qk"} <= names
+    assert not any(n.endswith("_proj.bias") or "shared_expert" in n for n in names)
+    assert ops.count("TopK") == LAYERS and ops.count("ReduceSum") == LAYERS  # the renormalization's sum
+    report = seed_form.check_seed_model(model, weights)
+    assert report["max_rel"] < tolerance, report
+    assert report["ort_tokens"] == report["ref_tokens"]
+
+
+def test_seeded_int4_export_regenerates_and_routes_like_the_inline_form(tmp_path):
+    """export_seeded writes the graph build_seed_model writes, with its weights as page-aligned external data drawn
+    by the generator (experts directly as UINT8 codes 0..15, zero points 7..8, positive scales); regenerating from
+    the graph gives the same bytes, and ONNX Runtime decodes it."""
+    import filecmp
+    import shutil
+
+    import onnxruntime as ort
+    import seeded_weights
+
+    sizes = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=8, vocab=512, max_seq=32)
+    path = seed_form.export_seeded("qwen3_moe", tmp_path / "a", dtype="fp16", seed=4, threads=2, **sizes)
+    model = onnx.load(str(path), load_external_data=False)
+    inline, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe", **sizes)
+    assert [n.op_type for n in model.graph.node] == [n.op_type for n in inline.graph.node]
+    ext = {t.name: t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert set(ext) == _initializers(inline) - {"rope.inv_freq"} - {t.name for t in inline.graph.initializer if t.name.startswith("const_")}
+    offsets = [int(next(e.value for e in t.external_data if e.key == "offset")) for t in ext.values()]
+    assert all(o % seed_form.PAGE == 0 for o in offsets)
+    data = tmp_path / "a" / "model.onnx.data"
+    codes = onnx.numpy_helper.to_array(ext["layers.1.mlp.experts.down_proj.qweight"], str(tmp_path / "a"))
+    zeros = onnx.numpy_helper.to_array(ext["layers.1.mlp.experts.down_proj.zero_points"], str(tmp_path / "a"))
+    scales = onnx.numpy_helper.to_array(ext["layers.1.mlp.experts.down_proj.scales"], str(tmp_path / "a"))
+    assert codes.dtype == np.uint8 and (codes.min(), codes.max()) == (0, 15)
+    assert (zeros.min(), zeros.max()) == (7, 8) and scales.dtype == np.float16 and scales.min() > 0
+    (tmp_path / "b").mkdir()
+    shutil.copy(path, tmp_path / "b" / "model.onnx")
+    seeded_weights.regenerate(tmp_path / "b" / "model.onnx", threads=1)
+    assert filecmp.cmp(data, tmp_path / "b" / "model.onnx.data", shallow=False)
+    cfg = seed_form.seed_config("fp16", "qwen3_moe", **sizes)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    step = seed_form.runner_step(lambda feeds: dict(zip(names, sess.run(names, feeds))), cfg)
+    tokens, logits, _ = seed_form.greedy(step, cfg, np.array([[11, 22, 33, 44, 55]]), 4)
+    assert all(np.isfinite(lg.astype(np.float32)).all() for lg in logits) and len(tokens) == 4
+    # zero-mean INT4 weights: no common offset builds up in the residual stream across layers
+    centered = codes.astype(np.float64) - np.repeat(zeros, cfg.block_size, axis=-1)[..., :codes.shape[-1]]
+    assert abs(centered.mean()) < 0.05 and 4.0 < centered.std() < 5.0

@@ -361,6 +361,31 @@ def test_full_chain_greedy_tokens_match_unfused_ort(tmp_path, request, arch, bac
     np.testing.assert_allclose(runs["fused"][1][-1], runs["base"][1][-1], atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_qwen3_seed_form_full_chain_decodes_like_its_quant4_model(tmp_path, backend):
+    """The Qwen3-MoE seed form (INT4 experts, renormalized router, QK-norm) through the full chain: one router and
+    one FusedMoE per layer, and every call's logits within float16 tolerance of the quant4-only model on ORT at
+    the basic level, with the same 8 greedy tokens (the full-size run of BENCHMARKS.md, at toy size)."""
+    import seed_form
+
+    from rewrite.generate import Generator
+    from rewrite.verify import compare
+
+    model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
+    src = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
+    apply(src, tmp_path / "q4", plugins=["quant4"], backend="ort")
+    man = apply(src, tmp_path / "out", plugins=FULL_CHAIN, backend=backend)
+    reports = {r["plugin"]: r for r in man.report}
+    assert reports["topk"]["matches"] == 2 and reports["moe"]["matches"] == 2
+    prompt = [11, 22, 33, 44, 55]
+    res = Generator(tmp_path / "out").generate(prompt, 8)
+    ref = Generator.reference(tmp_path / "q4" / "model.onnx").replay(prompt, res.tokens)
+    assert [int(np.argmax(r[0, -1])) for r in ref] == res.tokens
+    for got, want in zip(res.logits, ref):
+        c = compare("logits", got, want)
+        assert c.ok, c.line()
+
+
 def _fused_logits_match(model_path: Path, out: Path, backend: str) -> None:
     man = apply(model_path, out, plugins=["moe"], backend=backend)
     assert _moe_report(man)["fused-moe-hf"]["matches"] == 2  # one per MoE layer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -50,6 +51,37 @@ def test_add_initializer_spills_large_tensors_only(monkeypatch):
     assert (g.values["small"].dtype, g.values["small"].shape) == (TensorProto.FLOAT16, (16, 32))
     with pytest.raises(RewriteError, match="'x' is not an initializer"):
         g.set_initializer_data("x", small)
+
+
+def test_spilled_tensors_the_graph_dropped_give_their_disk_back(monkeypatch):
+    """Replaced and removed spilled tensors are punched out of the spill file once no snapshot can bring them back;
+    the tensors still held read back unchanged."""
+    monkeypatch.setattr(spill, "SPILL_MIN_BYTES", 1 << 16)
+    g = onnx_io.load(_dense_model())
+    gc.collect()
+    g.release_spilled()  # what earlier tests' graphs left in this process's spill file
+    rng = np.random.default_rng(1)
+    arrays = {f"t{i}": rng.standard_normal((256, 256)).astype(np.float32) for i in range(4)}  # 256 KiB each
+    for name, a in arrays.items():
+        g.add_initializer(name, a)
+    g.add_node("Identity", ["t3"], ["kept_out"])  # t3 stays read; t0..t2 are read by nothing
+    other = onnx_io.load(_dense_model())  # another graph of the process holding t1's bytes keeps them
+    other.add_initializer("t1", arrays["t1"])
+    other.values["t1"].initializer.CopyFrom(g.values["t1"].initializer)
+    path = Path(spill._spill["path"])
+    blocks = lambda: os.stat(path).st_blocks * 512  # noqa: E731 - bytes the file occupies on disk
+    before = blocks()
+    g.set_initializer_data("t3", arrays["t3"] * 2)  # t3's first range is dropped, a new one appended
+    g.remove_unused_initializers()
+    released = g.release_spilled()
+    assert released == 4 * arrays["t0"].nbytes  # t0, t2, t3's first data, and other's own copy of t1
+    np.testing.assert_array_equal(g.const("t3"), arrays["t3"] * 2, strict=True)
+    np.testing.assert_array_equal(other.const("t1"), arrays["t1"], strict=True)
+    assert g.release_spilled() == 0  # nothing more to give back
+    del other
+    gc.collect()
+    assert g.release_spilled() == arrays["t1"].nbytes  # t1 once its last holder is gone
+    assert blocks() <= before + 2 * arrays["t0"].nbytes - released - arrays["t1"].nbytes + 4096 * 4
 
 
 @pytest.mark.parametrize("backend", ["ort", "iree"])

@@ -121,7 +121,10 @@ class Backend(Protocol):
         (:meth:`rewrite.core.lowering.LoweringRegistry.for_target`)."""
         ...
 
-    def load(self, folder: Path, manifest: Manifest) -> Runner: ...
+    def load(self, folder: Path, manifest: Manifest, *, low_memory: bool = False) -> Runner:
+        """A runner of ``folder``; ``low_memory``: keep the weights in their memory-mapped files where the runtime
+        would otherwise copy them into its own layouts (slower calls, memory that does not grow with the weights)."""
+        ...
 
 
 def check_feeds(specs: list[TensorSpec], feeds: dict[str, np.ndarray], where: str,

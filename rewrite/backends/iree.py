@@ -218,5 +218,6 @@ class IreeBackend:
         if res.params_path is not None:
             manifest.files["params"] = res.params_path.name
 
-    def load(self, folder: Path, manifest: Manifest) -> IreeRunner:
+    def load(self, folder: Path, manifest: Manifest, *, low_memory: bool = False) -> IreeRunner:
+        """(``low_memory`` changes nothing: the runtime reads the ``.irpa`` parameters through its file index.)"""
         return IreeRunner(folder, manifest)

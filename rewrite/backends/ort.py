@@ -54,10 +54,17 @@ def folder_session(target: str) -> dict:
     return {"optimize": base["optimize"], "config": dict(base["config"]), "providers": list(PROVIDERS[target])}
 
 
+#: session config entry that keeps initializers as loaded: ONNX Runtime otherwise copies the weights of
+#: MatMulNBits, QMoE and MatMul into prepacked buffers (anonymous memory as large as the weights; measured on the
+#: full Qwen3-30B-A3B folder: 17.8 GB with it, 1.5 GB without, at 10 times the time per call)
+NO_PREPACKING = {"session.disable_prepacking": "1"}
+
+
 def ort_session(model_path: str | Path, *, threads: int = 0, optimize: str = "all",
                 config: dict[str, str] | None = None, providers: list[str] | None = None) -> ort.InferenceSession:
     """An InferenceSession at optimization level ``optimize`` (see :data:`OPT_LEVELS`) with session config
-    entries ``config`` (ORT's ``SessionOptions.add_session_config_entry``) on ``providers`` (default CPU).
+    entries ``config`` (ORT's ``SessionOptions.add_session_config_entry``; :data:`NO_PREPACKING` keeps external
+    weights memory-mapped) on ``providers`` (default CPU).
 
     Raises BackendError with ORT's first message line on failure, naming an unknown level, or naming an
     execution provider this onnxruntime build lacks (the CUDA EP needs onnxruntime-gpu)."""
@@ -125,6 +132,7 @@ def lower_abstract_ops(graph: Graph, lowerings: dict) -> int:
         except Exception as e:  # a lowering bug must still name the node, not end in a traceback
             raise BackendError(f"node {node.describe()}: ONNX Runtime lowering of {node.op_type} failed: {type(e).__name__}: {e}") from e
         count += 1
+        graph.release_spilled()  # layouts a lowering repacked (no snapshot is held while lowering)
     left = [n for n in graph.nodes.values() if n.domain == DOMAIN]
     if left:
         raise BackendError(f"node {left[0].describe()}: still an abstract op after ONNX Runtime lowering")
@@ -171,6 +179,7 @@ class OrtBackend:
         lower_abstract_ops(graph, lowerings)
         if options.get("ort_matmul_nbits", True):  # backend option: keep DequantizeLinear->MatMul when False
             lower_matmul_nbits(graph)  # dense 4-bit DequantizeLinear -> MatMul: ORT runs that pair unfused
+            graph.release_spilled()
         path = folder / manifest.model
         onnx_io.save(graph, path)
         model = onnx_io.to_model(graph)
@@ -180,8 +189,10 @@ class OrtBackend:
         with stage("ort session check"):
             check_loads(graph, path, manifest.session)
 
-    def load(self, folder: Path, manifest: Manifest) -> OrtRunner:
-        """The folder's model in the session its manifest records (:data:`FOLDER_SESSION` when it records none)."""
+    def load(self, folder: Path, manifest: Manifest, *, low_memory: bool = False) -> OrtRunner:
+        """The folder's model in the session its manifest records (:data:`FOLDER_SESSION` when it records none);
+        ``low_memory`` adds :data:`NO_PREPACKING`."""
         session = manifest.session or FOLDER_SESSION
+        config = {**session.get("config", {}), **(NO_PREPACKING if low_memory else {})}
         return OrtRunner(folder / manifest.model, decoder=manifest.decoder_interface, optimize=session.get("optimize", "all"),
-                         config=session.get("config"), providers=session.get("providers"))
+                         config=config, providers=session.get("providers"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
@@ -239,6 +240,10 @@ def subgraph_outer_names(attrs: Iterable[onnx.AttributeProto]) -> list[str]:
     return list(seen)
 
 
+#: every Graph object alive in this process: spilled tensors any of them holds are not released
+_LIVE_GRAPHS: "weakref.WeakSet[Graph]" = weakref.WeakSet()
+
+
 class Graph:
     """A mutable ONNX graph over a ``networkx.MultiDiGraph``.
 
@@ -267,6 +272,7 @@ class Graph:
         self.model_shell = onnx.ModelProto()  # everything of the ModelProto but the graph
         self._ids = itertools.count()
         self._names = itertools.count()
+        _LIVE_GRAPHS.add(self)
 
     # ----------------------------------------------------------------- queries
     def node(self, node_id: int) -> Node:
@@ -650,6 +656,14 @@ class Graph:
                 del self.values[i]
                 del self.producer[i]
         return len(dead)
+
+    def release_spilled(self) -> int:
+        """Give back the spill file's ranges of tensors that no live graph of this process holds any more (this
+        one and any other, e.g. a copy a caller kept; see :func:`rewrite.core.spill.release_unreferenced`); returns
+        the bytes released. Only where no :meth:`snapshot` of this graph taken before a tensor was dropped can be
+        restored: between plugins, during lowering."""
+        live = [(v.initializer, v.base_dir) for g in list(_LIVE_GRAPHS) for v in g.values.values() if v.is_initializer]
+        return spill.release_unreferenced(live)
 
     def replace_node(self, node: Node, outputs: Sequence[str]) -> None:
         """Redirect every use of ``node``'s outputs to ``outputs`` (same order; ``""`` for an output nobody

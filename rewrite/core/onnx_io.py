@@ -312,46 +312,57 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None) -> 
     data_name = path.name + ".data"
     fd, tmp_data = tempfile.mkstemp(dir=path.parent, prefix=".rewrite-", suffix=".data")
     try:
-        with os.fdopen(fd, "wb") as out, stage("save", total=total, unit="B") as advance:
-            for t in inits:
-                advance(tensor_nbytes(t))
-                src = g.values[t.name]
-                if t.data_location == onnx.TensorProto.EXTERNAL:
-                    location, off, length = spill.external_info(t)
-                    length = length or 0
-                    with open(os.path.join(src.base_dir, location), "rb") as f:
-                        f.seek(off)
-                        start = out.tell()
-                        left = length
-                        while left > 0:
-                            chunk = f.read(min(left, 64 << 20))
-                            if not chunk:
-                                raise RewriteError(f"external data of '{t.name}' ends early in {location}")
-                            out.write(chunk)
-                            left -= len(chunk)
-                    t_new = onnx.TensorProto()
-                    t_new.CopyFrom(t)
-                elif t.ByteSize() >= EXTERNAL_MIN_BYTES and t.HasField("raw_data"):
-                    start = out.tell()
-                    out.write(t.raw_data)
-                    length = len(t.raw_data)
-                    t_new = onnx.TensorProto()
-                    t_new.CopyFrom(t)
-                    t_new.ClearField("raw_data")
-                else:
-                    continue
-                # (onnx's set_external_data refuses tensors without raw_data, which these no longer have)
-                del t_new.external_data[:]
-                for key, val in (("location", data_name), ("offset", str(start)), ("length", str(length))):
-                    entry = t_new.external_data.add()
-                    entry.key, entry.value = key, val
-                t_new.data_location = onnx.TensorProto.EXTERNAL
-                t.CopyFrom(t_new)
-                pad = (-out.tell()) % 64  # keep tensors 64-byte aligned for mmap users
-                out.write(b"\0" * pad)
-        onnx.save(model, str(path))
+        _write_external(g, model, path, data_name, fd, total)
         shutil.move(tmp_data, path.parent / data_name)
+    except OSError as e:  # a full disk, mostly: one line, not a traceback from inside the copy
+        free = shutil.disk_usage(path.parent).free
+        raise RewriteError(f"cannot write {path} and its {total / 1e9:.2f} GB of external data ({e.strerror}; "
+                           f"{free / 1e9:.2f} GB free there)") from e
     finally:
         if os.path.exists(tmp_data):
             os.unlink(tmp_data)
     return path
+
+
+def _write_external(g: Graph, model: onnx.ModelProto, path: Path, data_name: str, fd: int, total: int) -> None:
+    """`save`'s external-data branch: stream every large tensor into the open file ``fd`` (named ``data_name``
+    once moved beside ``path``), point ``model``'s initializers at it, and write ``path``."""
+    inits = model.graph.initializer
+    with os.fdopen(fd, "wb") as out, stage("save", total=total, unit="B") as advance:
+        for t in inits:
+            advance(tensor_nbytes(t))
+            src = g.values[t.name]
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                location, off, length = spill.external_info(t)
+                length = length or 0
+                with open(os.path.join(src.base_dir, location), "rb") as f:
+                    f.seek(off)
+                    start = out.tell()
+                    left = length
+                    while left > 0:
+                        chunk = f.read(min(left, 64 << 20))
+                        if not chunk:
+                            raise RewriteError(f"external data of '{t.name}' ends early in {location}")
+                        out.write(chunk)
+                        left -= len(chunk)
+                t_new = onnx.TensorProto()
+                t_new.CopyFrom(t)
+            elif t.ByteSize() >= EXTERNAL_MIN_BYTES and t.HasField("raw_data"):
+                start = out.tell()
+                out.write(t.raw_data)
+                length = len(t.raw_data)
+                t_new = onnx.TensorProto()
+                t_new.CopyFrom(t)
+                t_new.ClearField("raw_data")
+            else:
+                continue
+            # (onnx's set_external_data refuses tensors without raw_data, which these no longer have)
+            del t_new.external_data[:]
+            for key, val in (("location", data_name), ("offset", str(start)), ("length", str(length))):
+                entry = t_new.external_data.add()
+                entry.key, entry.value = key, val
+            t_new.data_location = onnx.TensorProto.EXTERNAL
+            t.CopyFrom(t_new)
+            pad = (-out.tell()) % 64  # keep tensors 64-byte aligned for mmap users
+            out.write(b"\0" * pad)
+    onnx.save(model, str(path))

@@ -7,7 +7,11 @@ every large tensor in a file and holds only its TensorProto with an external-dat
 - tensors of the source model stay in the source's data files and are read through ``np.memmap`` on demand
   (`read_external`), never cached, so the pages a plugin touched are released when it drops the array;
 - tensors a plugin creates of `SPILL_MIN_BYTES` or more are appended to one spill file per process
-  (`spill_tensor`) as they are made, and the in-memory copy is dropped.
+  (`spill_tensor`) as they are made, and the in-memory copy is dropped;
+- the ranges of spilled tensors the graph no longer holds are given back to the file system (`release_unreferenced`,
+  called where no snapshot of the graph can bring them back: after each plugin and each lowered op), so the file
+  holds about the live tensors, not every tensor ever made (the full Qwen3-30B-A3B: two repackings of 14.5 GB of
+  experts).
 
 The spill folder (``rewrite-spill-<pid>-*`` in `spill_folder_parent`) is removed when the process exits (normally,
 on an exception, or on SIGTERM/SIGHUP, which the command line turns into SystemExit); the folder of a process killed
@@ -63,7 +67,7 @@ def _spill_file() -> tuple[Path, object]:
             except OSError as e:
                 raise RewriteError(f"cannot create a spill file in {parent} ({e.strerror}); set REWRITE_SPILL_DIR "
                                    "to a folder with free space") from e
-            _spill.update(pid=os.getpid(), folder=folder, path=path, file=f)
+            _spill.update(pid=os.getpid(), folder=folder, path=path, file=f, ranges={})
             atexit.register(_remove, folder, os.getpid())
         return _spill["path"], _spill["file"]
 
@@ -95,6 +99,45 @@ def _remove(folder: Path, pid: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give ``[offset, offset + length)`` of the file back to the file system (Linux ``fallocate`` with
+    ``PUNCH_HOLE | KEEP_SIZE``: reads return zeros); False where that is not available."""
+    fallocate = _spill.get("fallocate")
+    if fallocate is None:
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fallocate = libc.fallocate
+            fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
+        except (OSError, AttributeError):
+            fallocate = False
+        _spill["fallocate"] = fallocate
+    return bool(fallocate) and fallocate(fd, 0x01 | 0x02, offset, length) == 0
+
+
+def release_unreferenced(live: list[tuple[onnx.TensorProto, str]]) -> int:
+    """Punch out the spill file's ranges that no tensor of ``live`` (``(TensorProto, base_dir)`` pairs: every
+    initializer the caller still holds) refers to; returns the bytes released.
+
+    Call it only where nothing else can still read a dropped tensor: a graph snapshot taken before the tensor was
+    dropped would bring it back with its bytes gone (the rewrite driver restores snapshots when a plugin fails).
+    """
+    ranges = _spill.get("ranges")
+    if not ranges or _spill.get("pid") != os.getpid():
+        return 0
+    held = {external_info(t)[1] for t, base_dir in live if is_spilled(t, base_dir)}
+    released = 0
+    with _lock:
+        f = _spill["file"]
+        for offset in [o for o in ranges if o not in held]:
+            length = ranges.pop(offset)
+            if _punch_hole(f.fileno(), offset, length):
+                released += length
+    return released
+
+
 def _append(name: str, data) -> tuple[Path, int, int]:
     """Append ``data`` (bytes-like) to the spill file at a page boundary; (path, offset, length)."""
     path, f = _spill_file()
@@ -107,6 +150,7 @@ def _append(name: str, data) -> tuple[Path, int, int]:
             f.seek(start)
             f.write(view)
             f.flush()
+            _spill.setdefault("ranges", {})[start] = view.nbytes
         except OSError as e:
             raise RewriteError(f"initializer '{name}': cannot write {view.nbytes} bytes to the spill file {path} "
                                f"({e.strerror}); set REWRITE_SPILL_DIR to a folder with free space") from e
