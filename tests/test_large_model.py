@@ -102,3 +102,54 @@ def test_ort_load_check_of_a_large_model_runs_on_its_skeleton(tmp_path, monkeypa
         assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "model.onnx"]
         got = load_runner(tmp_path / "out").run({"x": np.arange(4, dtype=np.float32)[None]})
         np.testing.assert_array_equal(got["y"], np.arange(4, dtype=np.float32)[None])
+
+
+def _small_matmul(path):
+    """y = x @ W, W [64, 32] float32 (a MatMul whose weight ONNX Runtime prepacks)."""
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])], [numpy_helper.from_array(w, "W")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path, w
+
+
+def test_low_memory_turns_prepacking_off_and_is_chosen_by_the_folder_size(tmp_path, monkeypatch):
+    """``--low-memory`` (or a folder larger than 40% of the available memory) runs an ort folder with ONNX
+    Runtime's prepacking off; outputs are unchanged."""
+    import rewrite.backends as backends
+
+    src, w = _small_matmul(tmp_path / "m.onnx")
+    apply(src, tmp_path / "out", backend="ort")
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    key = "session.disable_prepacking"
+    low = load_runner(tmp_path / "out", low_memory=True)
+    assert low.session.get_session_options().get_session_config_entry(key) == "1"
+    with pytest.raises(RuntimeError):  # not set at all
+        load_runner(tmp_path / "out", low_memory=False).session.get_session_options().get_session_config_entry(key)
+    np.testing.assert_allclose(low.run({"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)
+    size = sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
+    monkeypatch.setattr(backends, "available_memory", lambda: int(size / backends.LOW_MEMORY_SHARE) - 1)
+    assert backends.needs_low_memory(tmp_path / "out")
+    assert load_runner(tmp_path / "out").session.get_session_options().get_session_config_entry(key) == "1"
+    monkeypatch.setattr(backends, "available_memory", lambda: int(size / backends.LOW_MEMORY_SHARE) + 1)
+    assert not backends.needs_low_memory(tmp_path / "out")
+
+
+def test_a_full_disk_while_saving_is_one_error_naming_the_sizes(tmp_path, monkeypatch):
+    """An OSError while streaming external data (ENOSPC) becomes a RewriteError naming the file, the bytes and the
+    free space; no partial data file is left."""
+    import errno
+
+    from rewrite.errors import RewriteError
+
+    src, _ = _small_matmul(tmp_path / "m.onnx")
+    g = onnx_io.load(src)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx_io, "_write_external", full)
+    with pytest.raises(RewriteError, match=r"cannot write .*out\.onnx and its 0\.00 GB of external data \(No space left on device; .* GB free there\)"):
+        onnx_io.save(g, tmp_path / "out.onnx", external=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
