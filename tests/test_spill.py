@@ -84,6 +84,27 @@ def test_spilled_tensors_the_graph_dropped_give_their_disk_back(monkeypatch):
     assert blocks() <= before + 2 * arrays["t0"].nbytes - released - arrays["t1"].nbytes + 4096 * 4
 
 
+def test_saving_with_rebase_leaves_the_plugins_tensors_on_disk_once(tmp_path, monkeypatch):
+    """``save(..., rebase_spilled=True)`` (the iree backend, before the .irpa is written): the spilled tensors now
+    read from the saved data file, unchanged, and the spill file gives their ranges back."""
+    monkeypatch.setattr(spill, "SPILL_MIN_BYTES", 1 << 16)
+    g = onnx_io.load(_dense_model())
+    gc.collect()
+    g.release_spilled()
+    a = np.random.default_rng(2).standard_normal((256, 256)).astype(np.float32)
+    g.add_initializer("big", a)
+    g.add_node("Identity", ["big"], ["big_out"])
+    onnx_io.save(g, tmp_path / "m.onnx", external=True, rebase_spilled=True)
+    v = g.values["big"]
+    assert not spill.is_spilled(v.initializer, v.base_dir) and v.base_dir == str(tmp_path)
+    assert {e.key: e.value for e in v.initializer.external_data}["location"] == "m.onnx.data"
+    np.testing.assert_array_equal(g.const("big"), a, strict=True)
+    assert g.release_spilled() == 0  # already given back by the save
+    # saving again from the rebased graph copies the same bytes
+    onnx_io.save(g, tmp_path / "again" / "m.onnx", external=True)
+    np.testing.assert_array_equal(onnx_io.load(tmp_path / "again" / "m.onnx").const("big"), a, strict=True)
+
+
 @pytest.mark.parametrize("backend", ["ort", "iree"])
 def test_spilled_quant4_output_equals_the_unspilled_one(tmp_path, monkeypatch, backend):
     """quant4's codes and scales spilled: the saved folder is byte-identical to the one made in memory and refers

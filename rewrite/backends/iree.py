@@ -168,7 +168,7 @@ class IreeBackend:
         onnx_path = folder / manifest.model
         if not graph.name:  # the importer names the entry function after the graph and rejects ""
             graph.name = "main_graph"
-        onnx_io.save(graph, onnx_path)
+        onnx_io.save(graph, onnx_path, rebase_spilled=True)  # the .irpa is written from it: one copy on disk, not two
         model = onnx_io.to_model(graph)
         manifest.inputs = [s.to_json() for s in input_specs(model)]  # the entry function's arguments
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]

@@ -283,12 +283,17 @@ def tensor_nbytes(t: onnx.TensorProto) -> int:
     return t.ByteSize()
 
 
-def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None) -> Path:
+def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None, rebase_spilled: bool = False) -> Path:
     """Write the graph to ``path``.
 
     Initializers whose data is in an external file of the source are stream-copied (64 MiB at a time) into
     ``<name>.data`` beside ``path``, never loaded whole. ``external=None`` uses an external data file when the
     source had one or the model would pass protobuf's 2 GB limit; True/False force it.
+
+    ``rebase_spilled``: afterwards the graph's tensors held in the spill file refer to their copies in the written
+    data file, and the spill file's ranges are given back (:meth:`Graph.release_spilled`): the plugins' tensors are
+    on disk once, not twice, while a backend goes on from the saved model (the full Qwen3-30B-A3B: 14.5 GB of
+    repacked experts). The graph then reads them from ``<name>.data``, which must stay where it was written.
 
     Returns the path written. Raises RewriteError when the target directory cannot be written.
     """
@@ -314,6 +319,8 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None) -> 
     try:
         _write_external(g, model, path, data_name, fd, total)
         shutil.move(tmp_data, path.parent / data_name)
+        if rebase_spilled:
+            _rebase_spilled(g, model, str(path.parent))
     except OSError as e:  # a full disk, mostly: one line, not a traceback from inside the copy
         free = shutil.disk_usage(path.parent).free
         raise RewriteError(f"cannot write {path} and its {total / 1e9:.2f} GB of external data ({e.strerror}; "
@@ -322,6 +329,19 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None) -> 
         if os.path.exists(tmp_data):
             os.unlink(tmp_data)
     return path
+
+
+def _rebase_spilled(g: Graph, saved: onnx.ModelProto, folder: str) -> None:
+    """Point ``g``'s spilled initializers at their external copies in ``saved`` (written to ``folder``) and give the
+    spill file's ranges back."""
+    written = {t.name: t for t in saved.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    for name in g.initializers:
+        v = g.values[name]
+        if name in written and spill.is_spilled(v.initializer, v.base_dir):
+            t = onnx.TensorProto()
+            t.CopyFrom(written[name])
+            v.initializer, v.base_dir = t, folder
+    g.release_spilled()
 
 
 def _write_external(g: Graph, model: onnx.ModelProto, path: Path, data_name: str, fd: int, total: int) -> None:
