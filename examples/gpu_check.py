@@ -7,7 +7,8 @@ Two steps, because the GPU machine has no IREE compiler and no package registry:
 
 ``prepare`` exports the tiny Qwen1.5-MoE and Qwen3-MoE decoders (transformers' exporter, fp32 and fp16), lowers
 each with every plugin set of :data:`CONFIGS` for ``--backend iree --target cuda`` and ``--backend ort --target
-cuda``, and records the tokens ONNX Runtime CPU decodes greedily on the original export (``PROMPT``, ``STEPS``
+cuda`` (``--families mixtral,olmoe,...`` adds the coverage matrix's tiny models of those families,
+``examples/moe_families.py``, transformers' exporter, ``batched_mm`` experts, with :data:`FAMILY_CONFIGS`), and records the tokens ONNX Runtime CPU decodes greedily on the original export (``PROMPT``, ``STEPS``
 new tokens; for plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json``. It also
 lowers single ops for CUDA with inputs and reference outputs beside them: the router for ``iree`` and FusedMoE
 (:data:`MOE_SAMPLES`) for ``ort`` (QMoE and MoE) and ``iree`` (the moe plugin's CUDA kernels). A configuration that cannot be lowered (no lowering for its target) is recorded
@@ -49,12 +50,30 @@ CONFIGS = (
     ("iree", "quant4,cast,legalize,expand,kv,topk,moe", True),  # INT4 experts: against the quantized model
     ("ort", "quant4,cast,kv,topk,moe", True),  # QMoE (fp16) / dequantized MoE (fp32): against the quantized model
 )
+#: plugin sets for the other families (``--families``): the coverage matrix's ``topk,moe`` with a static KV cache
+FAMILY_CONFIGS = (
+    ("iree", "cast,legalize,expand,kv", False),
+    ("iree", "cast,legalize,expand,kv,topk,moe", True),
+    ("ort", "cast,kv,topk,moe", True),
+)
 
 
-def prepare(out: Path, lowerings: list[str]) -> None:
+def _export(family: str, dtype: str, out_dir: Path) -> tuple[Path, tuple]:
+    """The tiny ``family`` decoder exported by transformers' exporter, and the plugin sets it is checked with."""
     import torch
 
+    import moe_families
     import qwen_moe
+
+    torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if family in MODELS:
+            return qwen_moe.export_hf(qwen_moe.build_model(family, "tiny", dtype=torch_dtype), out_dir), CONFIGS
+        return moe_families.export(moe_families.build(family, dtype=torch_dtype), "hf", out_dir), FAMILY_CONFIGS
+
+
+def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS, dtypes: tuple[str, ...] = DTYPES) -> None:
     from rewrite.errors import RewriteError
     from rewrite.generate import Generator
     from rewrite.pipeline import apply
@@ -64,22 +83,28 @@ def prepare(out: Path, lowerings: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with registered_lowerings(extra):
-        for arch in MODELS:
-            for dtype in DTYPES:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    model = qwen_moe.build_model(arch, "tiny", dtype=torch.float16 if dtype == "fp16" else torch.float32)
-                    src = qwen_moe.export_hf(model, out / f"{arch}_{dtype}_src")
+        for arch in families:
+            for dtype in dtypes:
+                src, configs = _export(arch, dtype, out / f"{arch}_{dtype}_src")
                 ref = Generator.reference(src).generate(PROMPT, STEPS).tokens
                 # lossy plugins are checked against the model they make, run on ONNX Runtime CPU
-                apply(src, out / f"{arch}_{dtype}_quant4_src", plugins="quant4", backend="ort")
-                ref_q4 = Generator.reference(out / f"{arch}_{dtype}_quant4_src" / "model.onnx").generate(PROMPT, STEPS).tokens
-                for backend, plugins, expected in CONFIGS:
+                ref_q4 = None
+                if any(plugins.startswith("quant4") for _, plugins, _ in configs):
+                    apply(src, out / f"{arch}_{dtype}_quant4_src", plugins="quant4", backend="ort")
+                    ref_q4 = Generator.reference(out / f"{arch}_{dtype}_quant4_src" / "model.onnx").generate(PROMPT, STEPS).tokens
+                for backend, plugins, expected in configs:
                     name = f"{arch}_{dtype}_{backend}_{plugins.replace(',', '-')}"
                     row = dict(model=arch, dtype=dtype, backend=backend, target="cuda", plugins=plugins, folder=name,
                                reference=ref_q4 if plugins.startswith("quant4") else ref, expected=expected, error=None)
                     try:
-                        apply(src, out / name, plugins=plugins, backend=backend, target="cuda", options={"kv": {"max_seq": 64}})
+                        try:
+                            apply(src, out / name, plugins=plugins, backend=backend, target="cuda", options={"kv": {"max_seq": 64}})
+                        except RewriteError as e:
+                            if not (str(e).startswith("plugin 'kv'") and configs is FAMILY_CONFIGS):
+                                raise
+                            # a cache kv cannot make static (gpt-oss: sliding and full past lengths): the dynamic one
+                            row["plugins"] = plugins = ",".join(p for p in plugins.split(",") if p != "kv")
+                            apply(src, out / name, plugins=plugins, backend=backend, target="cuda")
                     except RewriteError as e:
                         row["error"] = str(e)
                     rows.append(row)
@@ -310,11 +335,14 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--lowerings", action="append", default=[], metavar="MODULE",
                    help="a module whose rewrite_lowerings() adds lowerings (repeatable)")
+    p.add_argument("--families", default=",".join(MODELS),
+                   help="comma-separated: qwen2_moe, qwen3_moe and the families of examples/moe_families.py")
+    p.add_argument("--dtypes", default=",".join(DTYPES))
     r = sub.add_parser("run")
     r.add_argument("bundle", type=Path)
     args = ap.parse_args()
     if args.cmd == "prepare":
-        prepare(args.out, args.lowerings)
+        prepare(args.out, args.lowerings, tuple(args.families.split(",")), tuple(args.dtypes.split(",")))
         return 0
     return run(args.bundle)
 

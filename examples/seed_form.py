@@ -895,12 +895,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help="tiny: the .onnx file; full: the folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="full: writer threads (default: every core)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="full: this many decoder layers instead of the real count (the real layer shapes, less weight)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=5)
     args = parser.parse_args(argv)
     if args.size == "full":
-        path = export_seeded(args.arch, args.out, dtype=args.dtype, seed=args.seed, threads=args.threads,
-                             **FULL[args.arch])
+        sizes = {**FULL[args.arch], **({"layers": args.layers} if args.layers else {})}
+        path = export_seeded(args.arch, args.out, dtype=args.dtype, seed=args.seed, threads=args.threads, **sizes)
         data = path.parent / "model.onnx.data"
         report = {"path": str(path), "data_bytes": data.stat().st_size,
                   "regenerate": f"python examples/seeded_weights.py regenerate {path}"}
