@@ -429,7 +429,7 @@ class IreeModule:
             results = ()
         elif not isinstance(results, tuple):
             results = (results,)
-        return [np.array(r.to_host(), copy=True) for r in results]
+        return [_to_host(r, self._device) for r in results]
 
     @property
     def device(self) -> "rt.HalDevice":
@@ -453,6 +453,31 @@ class IreeModule:
         if function not in self.function_names:
             raise ValueError(f"{self.vmfb_path} has no function {function!r}; it has {list(self.function_names)}")
         return function
+
+
+def _to_host(result, device: "rt.HalDevice") -> np.ndarray:
+    """A host copy of one result. A device-local buffer (CUDA) goes through a staging buffer the allocator makes,
+    not through ``DeviceArray.to_host``, which registers a fresh numpy array with the driver
+    (``import_host_allocation``): CUDA registers whole pages, so a second small result whose array shares a page
+    with a still-registered one fails with ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` (seen on an H200 with
+    iree-base-runtime 3.13, depending on where numpy placed the arrays)."""
+    view = getattr(result, "_buffer_view", None)
+    if view is None or result._is_mappable():
+        return np.array(result.to_host(), copy=True)  # host-visible (local-task): mapped, then copied
+    source = view.get_buffer()
+    host = device.allocator.allocate_buffer(
+        memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+        allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+        allocation_size=source.byte_length(),
+    )
+    sem = device.create_semaphore(0)
+    device.queue_copy(source, host, wait_semaphores=rt.HalFence.create_at(sem, 0),
+                      signal_semaphores=rt.HalFence.create_at(sem, 1))
+    rt.HalFence.create_at(sem, 1).wait()
+    raw = rt.HalElementType.map_to_dtype(view.element_type)
+    out = np.array(host.map().asarray(view.shape, raw), copy=True)
+    override = getattr(result, "_override_dtype", None)  # bool results: stored as bytes
+    return out.astype(override) if override is not None and override != raw else out
 
 
 def _first_line(e: BaseException) -> str:
