@@ -10,10 +10,11 @@ each with every plugin set of :data:`CONFIGS` for ``--backend iree --target cuda
 cuda`` (``--families mixtral,olmoe,...`` adds the coverage matrix's tiny models of those families,
 ``examples/moe_families.py``, transformers' exporter, ``batched_mm`` experts, with :data:`FAMILY_CONFIGS`), and records the tokens ONNX Runtime CPU decodes greedily on the original export (``PROMPT``, ``STEPS``
 new tokens; for plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json``. It also
-lowers single ops for CUDA with inputs and reference outputs beside them: the router for ``iree`` and FusedMoE
-(:data:`MOE_SAMPLES`) for ``ort`` (QMoE and MoE) and ``iree`` (the moe plugin's CUDA kernels). A configuration that cannot be lowered (no lowering for its target) is recorded
-with its error. ``--lowerings MODULE`` registers more lowerings first (``rewrite_cuda_router.lowering``, the
-iree:cuda router of ``examples/cuda_router_lowering``).
+lowers single ops for CUDA with inputs and reference outputs beside them: the router in each mode of
+:data:`ROUTER_MODES` for ``iree`` (the topk plugin's CUDA build of its C kernel) and FusedMoE (:data:`MOE_SAMPLES`)
+for ``ort`` (QMoE and MoE) and ``iree`` (the moe plugin's CUDA kernels). A configuration that cannot be lowered
+is recorded with its error. ``--lowerings MODULE`` registers more lowerings first (``rewrite_cuda_router.lowering``:
+the PTX kernel of ``examples/cuda_router_lowering`` in place of the built-in one for the modes it takes).
 
 ``run`` needs only the runtimes (``iree-base-runtime``; ``onnxruntime-gpu`` for the ``ort`` rows, whose CUDA
 execution provider loads after ``import torch``) and prints one line per (model, dtype, backend, plugins):
@@ -133,14 +134,22 @@ def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS,
     (out / "bundle.json").write_text(json.dumps({"prompt": PROMPT, "steps": STEPS, "rows": rows}, indent=1) + "\n")
 
 
-ROUTER_MODES = ("softmax_topk", "topk_softmax")
+ROUTER_MODES = ("softmax_topk", "topk_softmax", "grouped", "sparsemixer")
 ROUTER_E, ROUTER_K = 60, 4  #: Qwen1.5-MoE-A2.7B's router: 60 experts, top-4
 
 
 def _router_model(path: Path, mode: str) -> Path:
-    """softmax_topk: TopK(Softmax(logits), 4) renormalized; topk_softmax: Softmax(TopK(logits, 4))."""
+    """softmax_topk: TopK(Softmax(logits), 4) renormalized; topk_softmax: Softmax(TopK(logits, 4)); grouped:
+    DeepSeek-V3's router; sparsemixer: PhiMoE's (the topk plugin's case models)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
+
+    if mode in ("grouped", "sparsemixer"):
+        from rewrite.plugins.router.grouped import grouped_router_model
+        from rewrite.plugins.router.sparsemixer import sparsemixer_router_model
+
+        onnx.save(grouped_router_model(e=64, k=8, n_group=8, topk_group=4) if mode == "grouped" else sparsemixer_router_model(), path)
+        return path
 
     k = numpy_helper.from_array(np.array([ROUTER_K], np.int64), "k")
     if mode == "softmax_topk":
@@ -261,19 +270,32 @@ def _check_moe(folder: Path) -> str | None:
 
 
 def _check_router(folder: Path, mode: str) -> str | None:
-    """None when the folder's router equals the reference on random logits of 1, 7, 65 and 300 tokens."""
+    """None when the folder's router equals the reference (``MoERouterTopK.reference`` with the attributes of the
+    op in the folder's ``model.onnx``) on random logits of 1, 7, 65 and 300 tokens, the odd counts with experts near
+    each other: the same ids, weights within 1e-5."""
+    from onnx import TensorProto
 
     from rewrite.backends import load_runner
-    from rewrite.plugins.router.op import router_topk_reference
+    from rewrite.core import onnx_io
+    from rewrite.core.abstract_ops import DOMAIN
+    from rewrite.plugins.router import op
 
     runner = load_runner(folder)
+    g = onnx_io.load(folder / "model.onnx")
+    (node,) = g.nodes_by_op("MoERouterTopK", DOMAIN)
+    attrs = {a: node.attr(a) for a in node.attrs}
+    bias = g.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    xv = g.values[node.inputs[0]]
+    dtype, e = (np.float16 if xv.dtype == TensorProto.FLOAT16 else np.float32), xv.shape[-1]
+    w_name, i_name = runner.output_names[:2]
     for t in (1, 7, 65, 300):
-        x = np.random.default_rng(t).standard_normal((t, ROUTER_E)).astype(np.float32)
+        rng = np.random.default_rng(t)
+        x = op._near_max(rng, (t, e), dtype) if t % 2 else rng.standard_normal((t, e)).astype(dtype)
         got = runner.run({"logits": x})
-        w, i = router_topk_reference(x, ROUTER_K, 1, mode)
-        if not np.array_equal(got["ids"], i):
-            return f"{t} tokens: ids differ in {int((got['ids'] != i).any(-1).sum())} rows"
-        err = float(np.abs(got["w"] - w).max())
+        w, i = op.MoERouterTopK().reference(attrs, x, bias)
+        if not np.array_equal(got[i_name], i):
+            return f"{t} tokens: ids differ in {int((got[i_name] != i).any(-1).sum())} rows"
+        err = float(np.abs(got[w_name].astype(np.float64) - w).max())
         if err > 1e-5:
             return f"{t} tokens: weights differ by {err:.2e}"
     return None

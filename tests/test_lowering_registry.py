@@ -27,7 +27,7 @@ def _builtin_only():
 
 def test_builtin_ops_declare_their_targets():
     reg = _builtin_only()
-    assert reg.targets_of("MoERouterTopK") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu"]
+    assert reg.targets_of("MoERouterTopK") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu", "iree:cuda"]
     assert reg.targets_of("FusedMoE") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu", "iree:cuda"]
     assert reg.targets_of("KVCacheUpdate") == ["ort:cpu", "ort:cuda", "iree:llvm-cpu", "iree:cuda"]
 
@@ -40,34 +40,47 @@ def test_registry_refuses_unknown_targets_and_two_claims_of_one_slot():
         reg.add(Lowering("X", "iree", ("cuda", "llvm-cpu"), repr, origin="b"))
 
 
-def test_a_target_without_a_lowering_stops_apply_with_one_line(tmp_path, router_onnx):
-    if lowering_registry().get("MoERouterTopK", "iree", "cuda") is not None:
-        pytest.skip("an installed package adds an iree:cuda lowering of MoERouterTopK")
-    r = _cli("apply", router_onnx, "--plugins", "topk", "--backend", "iree", "--target", "cuda", "-o", tmp_path / "out")
+def _double_model(path):
+    """y = ai.rewrite::Double(x): an abstract op no plugin declares (no lowering for any target)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from rewrite.core.abstract_ops import DOMAIN
+
+    g = helper.make_graph([helper.make_node("Double", ["x"], ["y"], domain=DOMAIN, name="double")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10), path)
+    return path
+
+
+def test_a_target_without_a_lowering_stops_apply_with_one_line(tmp_path):
+    r = _cli("apply", _double_model(tmp_path / "double.onnx"), "--backend", "iree", "--target", "cuda", "-o", tmp_path / "out")
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith("error: abstract op MoERouterTopK (at node '")
-    assert line.endswith("has no lowering for iree:cuda; it has lowerings for ort:cpu, ort:cuda, iree:llvm-cpu")
+    assert line == "error: abstract op Double (at node 'double') has no lowering for iree:cuda; it has lowerings for no target"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))] == []  # no folder, no staging left
+
+
+def test_a_replacing_lowering_takes_the_slot_in_either_order():
+    builtin, mine = Lowering("X", "iree", ("cuda",), print, origin="builtin"), Lowering("X", "iree", ("cuda",), repr, origin="pkg", replaces=True)
+    for order in ([builtin, mine], [mine, builtin]):
+        assert LoweringRegistry(order).get("X", "iree", "cuda") is mine
+    with pytest.raises(LoweringError, match=r"two lowerings of X for iree:cuda: pkg and other \(both replace\)"):
+        LoweringRegistry([mine, Lowering("X", "iree", ("cuda",), str, origin="other", replaces=True)])
 
 
 def test_a_lowering_from_the_hook_fills_its_slot(tmp_path):
     """A lowering registered through ``rewrite_lowerings`` (as a package's entry point would) is what ``apply``
     uses for its target, and only while it is registered: here of an op no plugin declares, y = 2 x."""
     import numpy as np
-    import onnx
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
     from rewrite.backends import load_runner
-    from rewrite.core.abstract_ops import DOMAIN
     from rewrite.core.rules import Builder
     from rewrite.pipeline import apply
 
-    g = helper.make_graph([helper.make_node("Double", ["x"], ["y"], domain=DOMAIN, name="double")], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
-    path = tmp_path / "double.onnx"
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10), path)
+    path = _double_model(tmp_path / "double.onnx")
     used = []
 
     def lower(graph, node):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"rewrite/plugins/moe/kernels/moe_cpu.c", "rewrite/plugins/moe/kernels/moe_cuda.cu",
-           "rewrite/plugins/moe/kernels/moe_cuda.sm_80.ptx", "rewrite/plugins/router/kernels/router_topk.c"}
+           "rewrite/plugins/moe/kernels/moe_cuda.sm_80.ptx", "rewrite/plugins/router/kernels/router_topk.c",
+           "rewrite/plugins/router/kernels/router_topk_cuda.cu", "rewrite/plugins/router/kernels/router_topk_cuda.sm_80.ptx"}
 
 
 def test_a_wheel_holds_the_kernels_and_lowers_topk_for_iree_without_the_repo(tmp_path):
@@ -53,11 +54,11 @@ def test_a_wheel_holds_the_kernels_and_lowers_topk_for_iree_without_the_repo(tmp
 def test_every_shipped_ptx_was_built_from_its_source():
     """A machine without nvcc uses the PTX shipped beside a kernel only when its digest matches the source: an
     edit to a .cu without a rebuilt PTX would stop every iree:cuda lowering there."""
-    from rewrite.core.kernels import DEFAULT_CUDA_ARCH, NVCC_FLAGS, PTX_HEADER, _digest
+    from rewrite.core.kernels import DEFAULT_CUDA_ARCH, NVCC_FLAGS, PTX_HEADER, _digest, source_nvcc_flags
 
     sources = sorted((ROOT / "rewrite").rglob("kernels/*.cu"))
     assert sources
     for cu in sources:
         shipped = cu.with_name(f"{cu.stem}.{DEFAULT_CUDA_ARCH}.ptx")
-        digest = _digest(cu, (*NVCC_FLAGS, f"-arch={DEFAULT_CUDA_ARCH}"))
+        digest = _digest(cu, (*NVCC_FLAGS, *source_nvcc_flags(cu), f"-arch={DEFAULT_CUDA_ARCH}"))
         assert shipped.read_text().split("\n", 1)[0] == PTX_HEADER + digest, f"rebuild {shipped.name} (ship_cuda_ptx)"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -40,7 +41,12 @@ def cache_dir() -> Path:
 
 
 def _digest(source: Path, flags: tuple[str, ...]) -> str:
-    return hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    """Digest of ``source``, the files it includes by a quoted path beside it (one level: a CUDA kernel that
+    includes the C kernel it is built from), and ``flags``."""
+    text = source.read_bytes()
+    included = [source.parent / m.decode() for m in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, flags=re.M)]
+    data = text + b"".join(p.read_bytes() for p in included if p.is_file())
+    return hashlib.sha256(data + " ".join(flags).encode()).hexdigest()[:16]
 
 
 def kernel_source(module_file: str, name: str) -> Path:
@@ -92,15 +98,24 @@ def build_cpu_object(source: Path, *, extra_flags: tuple[str, ...] = ()) -> Path
     return obj
 
 
+def source_nvcc_flags(source: Path) -> tuple[str, ...]:
+    """The nvcc flags a kernel source asks for itself, on a ``// nvcc-flags: ...`` line among its first 30 lines
+    (so that the lowering, a shipped PTX and its check build it the same way)."""
+    for line in source.read_text().splitlines()[:30]:
+        if line.startswith("// nvcc-flags:"):
+            return tuple(line.split(":", 1)[1].split())
+    return ()
+
+
 def build_cuda_ptx(source: Path, arch: str = DEFAULT_CUDA_ARCH, *, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile a CUDA kernel to PTX for ``arch`` (``nvcc -ptx -arch=<arch> -O3``; ``$NVCC`` or ``nvcc`` on the
-    PATH); returns the cached file's path. Without nvcc, the PTX shipped beside the source
+    """Compile a CUDA kernel to PTX for ``arch`` (``nvcc -ptx -arch=<arch> -O3`` and the source's own
+    :func:`source_nvcc_flags`; ``$NVCC`` or ``nvcc`` on the PATH); returns the cached file's path. Without nvcc, the PTX shipped beside the source
     (``<stem>.<arch>.ptx``, see the module docstring) is used when its digest matches.
 
     Raises:
         BackendError: no nvcc and no matching shipped PTX, or nvcc failed (first error line).
     """
-    flags = (*NVCC_FLAGS, f"-arch={arch}", *extra_flags)
+    flags = (*NVCC_FLAGS, *source_nvcc_flags(source), f"-arch={arch}", *extra_flags)
     digest = _digest(source, flags)
     out = cache_dir() / f"{source.stem}-{digest}.{arch}.ptx"
     if out.is_file():

@@ -31,13 +31,15 @@ class LoweringError(RewriteError):
 @dataclass(frozen=True)
 class Lowering:
     """``fn`` lowers ``op_type`` for ``backend`` on each of ``targets``; ``origin`` names who registered it
-    (a plugin or package), for messages."""
+    (a plugin or package), for messages. ``replaces``: it takes the slot of another lowering registered for the same
+    (op, backend, target), e.g. a package's own kernel for a built-in op (two that both replace are a conflict)."""
 
     op_type: str
     backend: str
     targets: tuple[str, ...]
     fn: Callable
     origin: str = ""
+    replaces: bool = False
 
     def __post_init__(self):
         known = TARGETS.get(self.backend)
@@ -60,7 +62,8 @@ class LoweringRegistry:
     """Lowerings by (op_type, backend, target).
 
     Raises:
-        LoweringError: two lowerings claim the same (op_type, backend, target) (message names both origins).
+        LoweringError: two lowerings claim the same (op_type, backend, target), neither or both with
+            ``replaces`` (message names both origins).
     """
 
     def __init__(self, lowerings: Iterable[Lowering] = ()):
@@ -73,8 +76,12 @@ class LoweringRegistry:
             key = (low.op_type, low.backend, t)
             other = self._by_key.get(key)
             if other is not None and _same(other.fn) != _same(low.fn):
-                raise LoweringError(f"two lowerings of {low.op_type} for {low.backend}:{t}: "
-                                    f"{other.origin or 'unknown'} and {low.origin or 'unknown'}")
+                if other.replaces == low.replaces:
+                    raise LoweringError(f"two lowerings of {low.op_type} for {low.backend}:{t}: "
+                                        f"{other.origin or 'unknown'} and {low.origin or 'unknown'}"
+                                        f"{' (both replace)' if low.replaces else ''}")
+                if other.replaces:  # the replacing one holds the slot, whichever came first
+                    continue
             self._by_key[key] = low
 
     def all(self) -> list[Lowering]:

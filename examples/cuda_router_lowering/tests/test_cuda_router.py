@@ -1,4 +1,5 @@
-"""The cuda_router package: found through its entry point, fills the iree:cuda slot of MoERouterTopK, and an
+"""The cuda_router package: found through its entry point, takes the iree:cuda slot of MoERouterTopK from rewrite's
+own lowering (``replaces=True``), and an
 ``apply --target cuda`` with ``topk`` compiles with its PTX kernel copied into the output folder. On a machine
 with a CUDA device and IREE's cuda driver, the compiled router equals rewrite's reference."""
 
@@ -39,7 +40,7 @@ def _router_model(path: Path, mode: str) -> Path:
 
 def test_registered_through_the_entry_point():
     low = lowering_registry().get("MoERouterTopK", "iree", "cuda")
-    assert low is not None and low.origin == "rewrite-cuda-router"
+    assert low is not None and low.origin == "rewrite-cuda-router" and low.replaces
 
 
 def test_shipped_ptx_is_built_from_this_source():

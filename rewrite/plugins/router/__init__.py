@@ -194,7 +194,7 @@ class RouterTopK(Plugin):
     name = "router-topk"
     short = "topk"
     description = ("Softmax->[Cast]->TopK [->renormalize], TopK->Softmax, grouped (biased, group-limited) and sparsemixer "
-                   "(PhiMoE) routers -> one MoERouterTopK op (C kernel on IREE)")
+                   "(PhiMoE) routers -> one MoERouterTopK op (C kernel on IREE, built with nvcc for CUDA)")
     opset_range = (13, 28)
     kernels = (KernelObject("router_topk", "iree", "llvm-cpu", "kernels/router_topk.c"),)
 

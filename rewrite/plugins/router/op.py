@@ -13,7 +13,7 @@ from onnx import TensorProto, numpy_helper
 from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.ir import Graph, Node
-from rewrite.core.kernels import build_cpu_object, cpu_executable_target, kernel_source
+from rewrite.core.kernels import build_cpu_object, build_cuda_ptx, cpu_executable_target, kernel_source
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
@@ -22,6 +22,7 @@ TOKENS_PER_WORKGROUP = 64  #: tokens one IREE workgroup routes
 MODES = ("softmax_topk", "topk_softmax", "topk", "grouped", "sparsemixer")
 SCORINGS = ("sigmoid", "softmax")  #: grouped mode's scoring functions
 _FLOATS = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
+CUDA_THREADS = 64  #: threads per CUDA workgroup, one token each
 _KERNEL_FLAGS = (f"-DROUTER_TOPK_MAX_EXPERTS={MAX_EXPERTS}", f"-DROUTER_TOPK_TOKENS={TOKENS_PER_WORKGROUP}",
                  "-fno-tree-loop-distribute-patterns")  # no memset/memcpy calls: there is no libc to link
 
@@ -184,7 +185,7 @@ class MoERouterTopK(AbstractOp):
     """
 
     ort_targets = ("cpu", "cuda")  # standard ONNX ops
-    iree_targets = ("llvm-cpu",)  # a C kernel
+    iree_targets = ("llvm-cpu", "cuda")  # a C kernel; the same source built for CUDA, one thread per token
 
     op_type = "MoERouterTopK"
 
@@ -252,7 +253,8 @@ class MoERouterTopK(AbstractOp):
 
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One ``flow.dispatch`` of ``router_topk_<in>_<out>`` (C kernel, statically linked), one workgroup per
-        :data:`TOKENS_PER_WORKGROUP` tokens; logits are collapsed to 1-D and results expanded back.
+        :data:`TOKENS_PER_WORKGROUP` tokens; logits are collapsed to 1-D and results expanded back. On ``cuda``:
+        :func:`_lower_iree_cuda`.
 
         Raises:
             BackendError: dtype other than f16/f32, dynamic or too large E, k outside 1..E, unknown mode.
@@ -267,6 +269,8 @@ class MoERouterTopK(AbstractOp):
             raise BackendError(f"{where}: logits {xt.text} need rank >= 2 and a static last dim of 1..{MAX_EXPERTS}")
         if not 1 <= k <= e or mode not in MODES:
             raise BackendError(f"{where}: k={k}, mode='{mode}'; expected 1 <= k <= {e} and a mode in {', '.join(MODES)}")
+        if ctx.target == "cuda":
+            return _lower_iree_cuda(op, ctx, where, k, normalize, mode)
         obj = ctx.object_path(build_cpu_object(kernel_source(__file__, "router_topk.c"), extra_flags=_KERNEL_FLAGS))
         xe, we = xt.builtin_element, wt.builtin_element
         entry = f"router_topk_{xe}_{we}"
@@ -342,6 +346,89 @@ class MoERouterTopK(AbstractOp):
             lines.append(f"    {name}_x = tensor.expand_shape {src} {group} output_shape [{shape}] : tensor<?x{el}> into {dyn}")
             lines.append(f"    {name} = tensor.cast {name}_x : {dyn} to {res.builtin}")
         return IreeLowering(body="\n".join(lines), module_items={f"{entry}_exec": executable})
+
+
+def _lower_iree_cuda(op: TorchOperator, ctx: PatchContext, where: str, k: int, normalize: int, mode: str) -> IreeLowering:
+    """The ``cuda`` body: logits ``[..., E]`` collapsed to ``[T, E]``, one dispatch of ``router_<mode>_<x>_<w>``
+    (``kernels/router_topk_cuda.cu``: ``router_topk.c`` built with nvcc, PTX for ``ctx.cuda_arch``) on
+    ``ceil(T / CUDA_THREADS)`` workgroups, weights and ids ``[T, k]`` expanded back. Modes ``softmax_topk``,
+    ``topk_softmax`` and ``topk`` share the ``topk`` kernel (the mode a push constant).
+
+    Raises:
+        BackendError: grouped mode without an f32 [E] bias or with invalid groups, sparsemixer with k != 2; nvcc
+            failing or missing without a matching shipped PTX.
+    """
+    xt, wt, it = op.operand_types[0], op.result_types[0], op.result_types[1]
+    rank, e = len(xt.dims), xt.dims[-1]
+    xe, we = xt.builtin_element, wt.builtin_element
+    lines = ["    %rc_t0 = arith.constant 1 : index"]
+    dims = []  # the leading dims as index values, multiplied into the token count
+    for ax, d in enumerate(xt.dims[:-1]):
+        if d is None:
+            dims.append(f"%in0_d{ax}")
+        else:
+            lines.append(f"    %rc_s{ax} = arith.constant {d} : index")
+            dims.append(f"%rc_s{ax}")
+        lines.append(f"    %rc_t{ax + 1} = arith.muli %rc_t{ax}, {dims[-1]} : index")
+    t = f"%rc_t{rank - 1}"
+    group = "[[" + ", ".join(str(a) for a in range(rank - 1)) + f"], [{rank - 1}]]"
+    lead = "?" if None in xt.dims[:-1] else str(int(np.prod(xt.dims[:-1], dtype=np.int64)))
+    lines += [
+        f"    %rc_flat0 = tensor.collapse_shape %in0 {group} : {xt.builtin} into tensor<{lead}x{e}x{xe}>",
+        f"    %rc_flat = tensor.cast %rc_flat0 : tensor<{lead}x{e}x{xe}> to tensor<?x{e}x{xe}>",
+        f"    %rc_t32 = arith.index_cast {t} : index to i32",
+    ]
+    tensors, tensor_types = ["%rc_flat"], [f"tensor<?x{e}x{xe}>{{{t}}}"]
+    consts = {"e": e, "k": k}
+    if mode == "grouped":
+        ga = _grouped_args(op.attrs, None)
+        bt = op.operand_types[1] if len(op.operand_types) > 1 else None
+        if bt is None or bt.element != "f32" or bt.dims != [e]:
+            raise BackendError(f"{where}: grouped mode needs its bias as f32 [{e}], got {bt.text if bt else 'none'}")
+        _validate_grouped(where, e, ga)
+        bits = {n: int(np.array(ga[n], np.float32).view(np.uint32)) for n in ("scale", "norm_eps", "norm_min")}
+        consts.update(normalize=normalize, scoring=SCORINGS.index(ga["scoring"]), n_group=ga["n_group"],
+                      topk_group=ga["topk_group"], scale=bits["scale"], eps=bits["norm_eps"], lo=bits["norm_min"])
+        tensors.append("%in1")
+        tensor_types.append(f"tensor<{e}xf32>")
+        kernel = "grouped"
+    elif mode == "sparsemixer":
+        if k != 2 or e < 2:
+            raise BackendError(f"{where}: sparsemixer selects k=2 of at least 2 experts, not k={k} of {e}")
+        eps = float(_grouped_args(op.attrs, None)["jitter_eps"])
+        consts["thr"] = int(np.array(np.float32(2.0) * np.float32(eps), np.float32).view(np.uint32))
+        kernel = "sparsemixer"
+    else:
+        consts.update(mode=MODES.index(mode), normalize=normalize)
+        kernel = "topk"
+    for name, value in consts.items():  # 32-bit push constants (bit patterns above 2^31 wrap as i32 does)
+        lines.append(f"    %rc_{name} = arith.constant {np.int32(np.uint32(value)) if value >= 2**31 else value} : i32")
+    entry = f"router_{kernel}_{xe}_{we}"
+    ptx = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "router_topk_cuda.cu"), ctx.cuda_arch))
+    operands = ", ".join(tensors + ["%rc_t32"] + [f"%rc_{n}" for n in consts])
+    types = ", ".join(tensor_types + ["i32"] * (1 + len(consts)))
+    lines.append(f"    %rc_w, %rc_i = flow.dispatch @{entry}_cuda::@{entry}[{t}]({operands}) : ({types}) -> "
+                 f"(tensor<?x{k}x{we}>{{{t}}}, tensor<?x{k}xi64>{{{t}}})")
+    shape = ", ".join(dims + [str(k)])
+    for name, src, res in (("%out0", "%rc_w", wt), ("%out1", "%rc_i", it)):
+        el = res.builtin_element
+        dyn = "tensor<" + "?x" * (rank - 1) + f"{k}x{el}>"
+        lines.append(f"    {name}_x = tensor.expand_shape {src} {group} output_shape [{shape}] : tensor<?x{k}x{el}> into {dyn}")
+        lines.append(f"    {name} = tensor.cast {name}_x : {dyn} to {res.builtin}")
+    bindings = ["storage_buffer, ReadOnly"] * len(tensors) + ["storage_buffer"] * 2
+    executable = f"""
+  hal.executable.source private @{entry}_cuda <objects = <{{
+      #hal.executable.target<"cuda", "cuda-nvptx-fb"> = [#hal.executable.object<{{path = "{ptx}"}}>]}}>> {{
+    hal.executable.export public @{entry} ordinal(0)
+        layout(#hal.pipeline.layout<constants = {1 + len(consts)}, bindings = [
+          {", ".join(f"#hal.pipeline.binding<{b}>" for b in bindings)}]>)
+        count(%device: !hal.device, %t: index) -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {CUDA_THREADS})>()[%t]
+      %c1 = arith.constant 1 : index
+      hal.return %x, %c1, %c1 : index, index, index
+    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>
+  }}"""
+    return IreeLowering(body="\n".join(lines), module_items={f"{entry}_cuda": executable})
 
 
 def _near_max(rng: np.random.Generator, shape: tuple, dtype) -> np.ndarray:

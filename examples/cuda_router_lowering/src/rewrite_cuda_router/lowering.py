@@ -1,12 +1,12 @@
-"""An IREE ``cuda`` lowering of rewrite's ``MoERouterTopK``, registered from outside the rewrite package.
+"""A third party's IREE ``cuda`` lowering of rewrite's ``MoERouterTopK``, registered from outside the rewrite package.
 
-The built-in op has lowerings for ``ort:cpu``, ``ort:cuda`` and ``iree:llvm-cpu`` (a C kernel); this package
-adds ``iree:cuda`` through the ``rewrite_lowerings`` hook without touching rewrite: one thread per token runs
-``kernels/router_topk.cu`` (PTX for sm_80, which the H100/H200 driver JITs), launched as an IREE extern
-dispatch (``hal.executable.source`` with the PTX object, ``flow.dispatch`` from the op's wrapper). It takes the
-modes ``softmax_topk``, ``topk_softmax`` and ``topk`` on float32 or float16 logits and float32 weights; other
-variants are refused
-with the reason, so ``rewrite apply`` stops instead of compiling something else.
+rewrite's own ``topk`` plugin lowers the op for ``iree:cuda`` (its C kernel built with nvcc, one thread per token,
+every mode). This package shows how a package puts its own kernel in that slot through the ``rewrite_lowerings``
+hook without touching rewrite: its lowering is registered with ``replaces=True``, so it takes the slot from the
+built-in one. One thread per token runs ``kernels/router_topk.cu`` (PTX for sm_80, which the H100/H200 driver
+JITs), launched as an IREE extern dispatch (``hal.executable.source`` with the PTX object, ``flow.dispatch`` from
+the op's wrapper). It takes the modes ``softmax_topk``, ``topk_softmax`` and ``topk`` on float32 or float16 logits
+and float32 weights; it hands every other variant back to the built-in lowering.
 """
 
 from __future__ import annotations
@@ -30,20 +30,20 @@ def lower_router_cuda(op: TorchOperator, ctx: PatchContext) -> IreeLowering:
     ``router_topk_<f32|f16>`` on ``ceil(T / 64)`` workgroups, weights ``[T, k]`` f32 and ids ``[T, k]`` i64
     expanded back.
 
+    Variants this kernel does not take (f16 weights, grouped and sparsemixer modes) go to rewrite's own lowering.
+
     Raises:
-        BackendError: logits other than f32/f16 or weights other than f32, a dynamic or too large E, k outside
-            1..E, grouped mode.
+        BackendError: a dynamic or too large E, k outside 1..E.
     """
     xt, wt, it = op.operand_types[0], op.result_types[0], op.result_types[1]
     k, normalize, mode = int(op.attrs.get("k", 0)), int(op.attrs.get("normalize", 0)), op.attrs.get("mode", "softmax_topk")
     e = xt.dims[-1] if xt.dims else None
-    if xt.element not in ("f32", "f16") or wt.element != "f32":
-        raise BackendError(f"MoERouterTopK {op.where} on cuda: logits {xt.text}, weights {wt.text}; this kernel takes "
-                           "f32 or f16 logits and f32 weights")
+    if xt.element not in ("f32", "f16") or wt.element != "f32" or mode not in MODES:
+        from rewrite.plugins.router.op import MoERouterTopK
+
+        return MoERouterTopK().lower_iree(op, ctx)
     if len(xt.dims) < 2 or not isinstance(e, int) or not 1 <= e <= MAX_EXPERTS or not 1 <= k <= e:
         raise BackendError(f"MoERouterTopK {op.where} on cuda: logits {xt.text}, k={k}; needs a static E of 1..{MAX_EXPERTS} and 1 <= k <= E")
-    if mode not in MODES:
-        raise BackendError(f"MoERouterTopK {op.where} on cuda: mode '{mode}'; this kernel takes {', '.join(MODES)}")
     ptx = ctx.object_path(build_cuda_ptx(KERNEL, ctx.cuda_arch))
     rank = len(xt.dims)
     lines = ["    %cr_t0 = arith.constant 1 : index"]
@@ -107,4 +107,4 @@ def _executable(ptx: str, el: str) -> str:
 
 @hookimpl
 def rewrite_lowerings():
-    return [Lowering("MoERouterTopK", "iree", ("cuda",), lower_router_cuda, origin="rewrite-cuda-router")]
+    return [Lowering("MoERouterTopK", "iree", ("cuda",), lower_router_cuda, origin="rewrite-cuda-router", replaces=True)]

@@ -19,6 +19,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The same source builds the CUDA kernels (router_topk_cuda.cu includes it with ROUTER_CUDA defined): every
+// function is then a device function and the llvm-cpu entry points below are left out.
+#ifdef ROUTER_CUDA
+#define ROUTER_FN static __device__
+#define ROUTER_API __device__
+#else
+#define ROUTER_FN static
+#define ROUTER_API
+#endif
+
 #ifndef ROUTER_TOPK_MAX_EXPERTS
 #define ROUTER_TOPK_MAX_EXPERTS 1024
 #endif
@@ -30,7 +40,7 @@ typedef union { uint32_t u; float f; } f32_bits;
 typedef union { uint64_t u; double d; } f64_bits;
 
 // IEEE 754 binary16 -> binary32, exact for every pattern (subnormals, infinities, NaN payloads).
-float rewrite_router_f16_to_f32(uint16_t h) {
+ROUTER_API float rewrite_router_f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
   f32_bits r;
   if (e == 0x1fu) {
@@ -45,7 +55,7 @@ float rewrite_router_f16_to_f32(uint16_t h) {
 }
 
 // binary32 -> binary16, round to nearest even (IEEE 754 §4.3.1), overflow to infinity, NaN kept quiet.
-uint16_t rewrite_router_f32_to_f16(float f) {
+ROUTER_API uint16_t rewrite_router_f32_to_f16(float f) {
   f32_bits v = {.f = f};
   uint16_t sign = (uint16_t)((v.u >> 16) & 0x8000u);
   uint32_t ax = v.u & 0x7fffffffu;
@@ -67,7 +77,7 @@ uint16_t rewrite_router_f32_to_f16(float f) {
 // e^x in double: n = round(x / ln 2), r = x - n ln 2 (Cody-Waite split, exact for |n| < 2^11), degree-11
 // Taylor polynomial on |r| <= 0.347 (truncation < 2e-14 relative), scaled by 2^n. Results below 2^-1022
 // (x < -708) are flushed to 0: no float result of this kernel can see them.
-static double exp_d(double x) {
+ROUTER_FN double exp_d(double x) {
   if (x != x) return x;
   if (x < -708.0) return 0.0;
   if (x > 709.0) {
@@ -94,10 +104,10 @@ static double exp_d(double x) {
 }
 
 // expf through exp_d, rounded once to float; exported for the accuracy test against numpy.
-float rewrite_router_expf(float x) { return (float)exp_d((double)x); }
+ROUTER_API float rewrite_router_expf(float x) { return (float)exp_d((double)x); }
 
 // One token: x[e] logits (f16 when xh is set, else xf) -> idx[k], weights written as f32 (wf) or f16 (wh).
-static void route(const uint16_t* xh, const float* xf, size_t e, size_t k, size_t mode, size_t normalize,
+ROUTER_FN void route(const uint16_t* xh, const float* xf, size_t e, size_t k, size_t mode, size_t normalize,
                   float* wf, uint16_t* wh, int64_t* idx, float* buf) {
   for (size_t j = 0; j < e; ++j) buf[j] = xh ? rewrite_router_f16_to_f32(xh[j]) : xf[j];
   if (mode == 0) {
@@ -140,7 +150,7 @@ static void route(const uint16_t* xh, const float* xf, size_t e, size_t k, size_
 
 // Workgroup `wg` routes tokens [wg*ROUTER_TOPK_TOKENS, min(t, (wg+1)*ROUTER_TOPK_TOKENS)) of x[t, e] into
 // w[t, k] and idx[t, k] (row-major, llvm.bareptr ABI: base pointer then element offset per buffer).
-static void route_block(const uint16_t* xh, const float* xf, float* wf, uint16_t* wh, int64_t* idx,
+ROUTER_FN void route_block(const uint16_t* xh, const float* xf, float* wf, uint16_t* wh, int64_t* idx,
                         size_t t, size_t e, size_t k, size_t wg, size_t mode, size_t normalize) {
   float buf[ROUTER_TOPK_MAX_EXPERTS];
   if (e == 0 || e > ROUTER_TOPK_MAX_EXPERTS || k == 0 || k > e) return;  // the lowering refuses these
@@ -150,6 +160,7 @@ static void route_block(const uint16_t* xh, const float* xf, float* wf, uint16_t
           wh ? wh + i * k : 0, idx + i * k, buf);
 }
 
+#ifndef ROUTER_CUDA
 #define ROUTER_ENTRY(NAME, XT, WT, XH, XF, WF, WH)                                                          \
   void NAME(const XT* x, size_t x_off, WT* w, size_t w_off, int64_t* idx, size_t idx_off, size_t t,        \
             size_t e, size_t k, size_t wg, size_t mode, size_t normalize) {                                \
@@ -160,13 +171,14 @@ ROUTER_ENTRY(router_topk_f32_f32_workgroup, float, float, 0, x + x_off, w + w_of
 ROUTER_ENTRY(router_topk_f32_f16_workgroup, float, uint16_t, 0, x + x_off, 0, w + w_off)
 ROUTER_ENTRY(router_topk_f16_f32_workgroup, uint16_t, float, x + x_off, 0, w + w_off, 0)
 ROUTER_ENTRY(router_topk_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0, 0, w + w_off)
+#endif  // ROUTER_CUDA
 
 // Grouped mode (DeepSeek-V3, GLM4-MoE, dots1 with groups; Ernie 4.5 with one group; reference:
 // router_topk_reference in rewrite/plugins/router.py), one token, float32 throughout:
 //   s = sigmoid(x) (scoring 0) or softmax(x) (scoring 1); c = s + bias;
 //   group score = sum of the 2 largest c of each group; the topk_group best groups are kept, c = -inf elsewhere;
 //   idx = top-k(c); w = s[idx]; when normalize: w /= max(sum(w) + eps, lo); w *= scale.
-static size_t pick(const float* v, size_t n, size_t r, float pv, size_t pi) {
+ROUTER_FN size_t pick(const float* v, size_t n, size_t r, float pv, size_t pi) {
   size_t best = n;  // the largest value ordered after (pv, pi) in (value descending, index ascending) order
   for (size_t j = 0; j < n; ++j) {
     if (r > 0 && !(v[j] < pv || (v[j] == pv && j > pi))) continue;
@@ -180,7 +192,7 @@ typedef struct {
   float scale, eps, lo;
 } grouped_params;
 
-static void route_grouped(const uint16_t* xh, const float* xf, const float* bias, const grouped_params* p,
+ROUTER_FN void route_grouped(const uint16_t* xh, const float* xf, const float* bias, const grouped_params* p,
                           float* wf, uint16_t* wh, int64_t* idx, float* s, float* c) {
   size_t e = p->e, k = p->k;
   for (size_t j = 0; j < e; ++j) s[j] = xh ? rewrite_router_f16_to_f32(xh[j]) : xf[j];
@@ -231,7 +243,7 @@ static void route_grouped(const uint16_t* xh, const float* xf, const float* bias
   }
 }
 
-static void route_grouped_block(const uint16_t* xh, const float* xf, const float* bias, float* wf, uint16_t* wh,
+ROUTER_FN void route_grouped_block(const uint16_t* xh, const float* xf, const float* bias, float* wf, uint16_t* wh,
                                 int64_t* idx, size_t t, size_t wg, grouped_params p) {
   float s[ROUTER_TOPK_MAX_EXPERTS], c[ROUTER_TOPK_MAX_EXPERTS];
   size_t e = p.e, k = p.k;
@@ -245,12 +257,13 @@ static void route_grouped_block(const uint16_t* xh, const float* xf, const float
                   idx + i * k, s, c);
 }
 
-static float bits_f32(size_t bits) {
+ROUTER_FN float bits_f32(size_t bits) {
   f32_bits v = {.u = (uint32_t)bits};
   return v.f;
 }
 
 // scale, eps and lo arrive as the bit patterns of float32 values (push constants are integers)
+#ifndef ROUTER_CUDA
 #define GROUPED_ENTRY(NAME, XT, WT, XH, XF, WF, WH)                                                          \
   void NAME(const XT* x, size_t x_off, const float* bias, size_t b_off, WT* w, size_t w_off, int64_t* idx,   \
             size_t idx_off, size_t t, size_t e, size_t k, size_t wg, size_t normalize, size_t scoring,       \
@@ -264,6 +277,7 @@ GROUPED_ENTRY(router_grouped_f32_f32_workgroup, float, float, 0, x + x_off, w + 
 GROUPED_ENTRY(router_grouped_f32_f16_workgroup, float, uint16_t, 0, x + x_off, 0, w + w_off)
 GROUPED_ENTRY(router_grouped_f16_f32_workgroup, uint16_t, float, x + x_off, 0, w + w_off, 0)
 GROUPED_ENTRY(router_grouped_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0, 0, w + w_off)
+#endif  // ROUTER_CUDA
 
 // Sparsemixer mode (PhiMoE; reference: router_topk_reference(mode="sparsemixer")), one token, k = 2:
 //   i1 = argmax(x), keep1 = !((x[i1] - x) / max(|x|, x[i1]) > thr), w1 = softmax(x | keep1)[i1];
@@ -271,7 +285,7 @@ GROUPED_ENTRY(router_grouped_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0
 //   w2 = softmax(x2 | keep2)[i2].
 // thr = 2 * jitter_eps. Everything runs in float32, float16 logits included (what ONNX Runtime's CPU provider
 // computes for the exported float16 graph); the softmax in double, rounded once to float. NaN ratios keep.
-static float mixer_weight(const float* x, const float* scores, size_t e, size_t i, float thr) {
+ROUTER_FN float mixer_weight(const float* x, const float* scores, size_t e, size_t i, float thr) {
   float m = scores[i];
   double mx = -__builtin_inf(), sum = 0.0;
   for (size_t j = 0; j < e; ++j) {
@@ -285,7 +299,7 @@ static float mixer_weight(const float* x, const float* scores, size_t e, size_t 
   return (float)(exp_d((double)m - mx) / sum);
 }
 
-static void route_sparsemixer_block(const uint16_t* xh, const float* xf, float* wf, uint16_t* wh, int64_t* idx,
+ROUTER_FN void route_sparsemixer_block(const uint16_t* xh, const float* xf, float* wf, uint16_t* wh, int64_t* idx,
                                     size_t t, size_t e, size_t k, size_t wg, float thr) {
   float x[ROUTER_TOPK_MAX_EXPERTS], x2[ROUTER_TOPK_MAX_EXPERTS];
   if (e < 2 || e > ROUTER_TOPK_MAX_EXPERTS || k != 2) return;  // the lowering refuses these
@@ -306,6 +320,7 @@ static void route_sparsemixer_block(const uint16_t* xh, const float* xf, float* 
 }
 
 // thr arrives as the bit pattern of a float32 value (push constants are integers)
+#ifndef ROUTER_CUDA
 #define SPARSEMIXER_ENTRY(NAME, XT, WT, XH, XF, WF, WH)                                                     \
   void NAME(const XT* x, size_t x_off, WT* w, size_t w_off, int64_t* idx, size_t idx_off, size_t t,        \
             size_t e, size_t k, size_t wg, size_t thr_bits) {                                               \
@@ -316,3 +331,4 @@ SPARSEMIXER_ENTRY(router_sparsemixer_f32_f32_workgroup, float, float, 0, x + x_o
 SPARSEMIXER_ENTRY(router_sparsemixer_f32_f16_workgroup, float, uint16_t, 0, x + x_off, 0, w + w_off)
 SPARSEMIXER_ENTRY(router_sparsemixer_f16_f32_workgroup, uint16_t, float, x + x_off, 0, w + w_off, 0)
 SPARSEMIXER_ENTRY(router_sparsemixer_f16_f16_workgroup, uint16_t, uint16_t, x + x_off, 0, 0, w + w_off)
+#endif  // ROUTER_CUDA
