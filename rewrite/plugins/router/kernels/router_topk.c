@@ -1,4 +1,4 @@
-// MoE router top-k for IREE llvm-cpu, linked statically (see rewrite/plugins/router.py, MoERouterTopK).
+// MoE router top-k for IREE llvm-cpu, linked statically, and for IREE CUDA through router_topk_cuda.cu (see rewrite/plugins/router/op.py, MoERouterTopK).
 //
 // Bare metal: no libc, no libm (built with -ffreestanding -fno-builtin); exp and the f16 <-> f32 conversions
 // are implemented here. One workgroup routes ROUTER_TOPK_TOKENS consecutive tokens; per token:
