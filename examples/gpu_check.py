@@ -8,8 +8,9 @@ Two steps, because the GPU machine has no IREE compiler and no package registry:
 ``prepare`` exports the tiny Qwen1.5-MoE and Qwen3-MoE decoders (transformers' exporter, fp32 and fp16), lowers
 each with every plugin set of :data:`CONFIGS` for ``--backend iree --target cuda`` and ``--backend ort --target
 cuda`` (``--families mixtral,olmoe,...`` adds the coverage matrix's tiny models of those families,
-``examples/moe_families.py``, transformers' exporter, ``batched_mm`` experts, with :data:`FAMILY_CONFIGS`), and records the tokens ONNX Runtime CPU decodes greedily on the original export (``PROMPT``, ``STEPS``
-new tokens; for plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json``. It also
+``examples/moe_families.py``, transformers' exporter, ``batched_mm`` experts, with :data:`FAMILY_CONFIGS`), and
+records the tokens ONNX Runtime CPU decodes greedily on the original export (``PROMPT``, ``STEPS`` new tokens; for
+plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json``. It also
 lowers single ops for CUDA with inputs and reference outputs beside them: the router in each mode of
 :data:`ROUTER_MODES` for ``iree`` (the topk plugin's CUDA build of its C kernel) and FusedMoE (:data:`MOE_SAMPLES`)
 for ``ort`` (QMoE and MoE) and ``iree`` (the moe plugin's CUDA kernels). A configuration that cannot be lowered
