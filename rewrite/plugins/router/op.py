@@ -274,17 +274,7 @@ class MoERouterTopK(AbstractOp):
         obj = ctx.object_path(build_cpu_object(kernel_source(__file__, "router_topk.c"), extra_flags=_KERNEL_FLAGS))
         xe, we = xt.builtin_element, wt.builtin_element
         entry = f"router_topk_{xe}_{we}"
-        lines = ["    %rt_t0 = arith.constant 1 : index"]
-        dims = []
-        for ax in range(rank - 1):
-            d = xt.dims[ax]
-            if d is None:
-                dims.append(f"%in0_d{ax}")
-            else:
-                lines.append(f"    %rt_s{ax} = arith.constant {d} : index")
-                dims.append(f"%rt_s{ax}")
-            lines.append(f"    %rt_t{ax + 1} = arith.muli %rt_t{ax}, {dims[-1]} : index")
-        t = f"%rt_t{rank - 1}"
+        lines, dims, t = _token_count(xt.dims, "rt")
         group = "[[" + ", ".join(str(a) for a in range(rank)) + "]]"
         static = all(isinstance(d, int) for d in xt.dims)
         flat_static = f"tensor<{np.prod(xt.dims, dtype=np.int64) if static else '?'}x{xe}>"
@@ -348,6 +338,20 @@ class MoERouterTopK(AbstractOp):
         return IreeLowering(body="\n".join(lines), module_items={f"{entry}_exec": executable})
 
 
+def _token_count(dims: list, prefix: str) -> tuple[list[str], list[str], str]:
+    """MLIR lines that multiply the leading dims of logits ``dims`` ([..., E]; None for dynamic, read from
+    ``%in0_d<axis>``) into the token count: (lines, the leading dims as index values, the count's SSA name)."""
+    lines, values = [f"    %{prefix}_t0 = arith.constant 1 : index"], []
+    for ax, d in enumerate(dims[:-1]):
+        if d is None:
+            values.append(f"%in0_d{ax}")
+        else:
+            lines.append(f"    %{prefix}_s{ax} = arith.constant {d} : index")
+            values.append(f"%{prefix}_s{ax}")
+        lines.append(f"    %{prefix}_t{ax + 1} = arith.muli %{prefix}_t{ax}, {values[-1]} : index")
+    return lines, values, f"%{prefix}_t{len(dims) - 1}"
+
+
 def _lower_iree_cuda(op: TorchOperator, ctx: PatchContext, where: str, k: int, normalize: int, mode: str) -> IreeLowering:
     """The ``cuda`` body: logits ``[..., E]`` collapsed to ``[T, E]``, one dispatch of ``router_<mode>_<x>_<w>``
     (``kernels/router_topk_cuda.cu``: ``router_topk.c`` built with nvcc, PTX for ``ctx.cuda_arch``) on
@@ -361,16 +365,7 @@ def _lower_iree_cuda(op: TorchOperator, ctx: PatchContext, where: str, k: int, n
     xt, wt, it = op.operand_types[0], op.result_types[0], op.result_types[1]
     rank, e = len(xt.dims), xt.dims[-1]
     xe, we = xt.builtin_element, wt.builtin_element
-    lines = ["    %rc_t0 = arith.constant 1 : index"]
-    dims = []  # the leading dims as index values, multiplied into the token count
-    for ax, d in enumerate(xt.dims[:-1]):
-        if d is None:
-            dims.append(f"%in0_d{ax}")
-        else:
-            lines.append(f"    %rc_s{ax} = arith.constant {d} : index")
-            dims.append(f"%rc_s{ax}")
-        lines.append(f"    %rc_t{ax + 1} = arith.muli %rc_t{ax}, {dims[-1]} : index")
-    t = f"%rc_t{rank - 1}"
+    lines, dims, t = _token_count(xt.dims, "rc")
     group = "[[" + ", ".join(str(a) for a in range(rank - 1)) + f"], [{rank - 1}]]"
     lead = "?" if None in xt.dims[:-1] else str(int(np.prod(xt.dims[:-1], dtype=np.int64)))
     lines += [
