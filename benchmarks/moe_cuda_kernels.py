@@ -3,14 +3,18 @@ seeds' decode shapes against the copy bandwidth measured in the same run, and a 
 reference. For iterating on rewrite/plugins/moe/kernels/moe_cuda.cu on the GPU machine, which has nvcc and
 CuPy but no IREE:
 
-    python benchmarks/moe_cuda_kernels.py                      # time and check every shape of SHAPES
-    python benchmarks/moe_cuda_kernels.py -D NO_ROUTE          # a variant: macros passed to nvcc
-    python benchmarks/moe_cuda_kernels.py --once               # one launch of each kernel (for ncu)
+    python benchmarks/moe_cuda_kernels.py                          # the shipped source on the lowering's grid
+    python benchmarks/moe_cuda_kernels.py --variant old=old.cu --variant new=moe_cuda.cu,GATE_PAIRS=1,gate=8
+    python benchmarks/moe_cuda_kernels.py --once                   # one launch of each kernel (for ncu)
 
-The kernels are launched as IREE launches them (rewrite/plugins/moe/lowering.py ``lower_iree_cuda``): the
-bindings' pointers, then the 10 push constants as 32-bit integers, on the same grid. ``LAYERS`` weight sets
-(more bytes than the L2 holds) are used in turn, so each launch reads its weights from HBM, as a decode step
-does. Times are CUDA events around ``ITERS`` launches of one kernel.
+A variant is ``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N]``: a kernel source (another version of moe_cuda.cu
+with the same launch interface), macros passed to nvcc, and the grid (``gate``: the lowering's
+CUDA_GATE_ITEMS, ``down``: CUDA_DOWN_ROWS); all variants run side by side on the same weights, so their times
+compare directly. The kernels are launched as IREE launches them (rewrite/plugins/moe/lowering.py
+``lower_iree_cuda``): the bindings' pointers, then the 10 push constants as 32-bit integers, on the same grid.
+``LAYERS`` weight sets (more bytes than the L2 holds) are used in turn, so each launch reads its weights from
+HBM, as a decode step does. ``ITERS`` launches are captured in a CUDA graph and its replays timed with CUDA
+events (the median of ``REPS``), so the host's launch rate is not measured.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ SHAPES = {"qwen1.5-moe-a2.7b": (60, 4, 2048, 1408), "qwen3-30b-a3b": (128, 8, 20
 BLOCK = 128
 LAYERS = 8
 ITERS = 64
+REPS = 20
 F16, INT4, ZERO_POINTS = 1, 2, 16  # the kernels' flags (moe_cuda.cu)
 
 
@@ -46,37 +51,80 @@ def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
     return 2 * nbytes * iters / (cp.cuda.get_elapsed_time(start, stop) / 1e3)
 
 
+def parse_variant(spec: str, gate: int, down: int) -> dict:
+    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N]`` -> {name, source, defines, gate, down}."""
+    name, _, rest = spec.partition("=")
+    source, *opts = rest.split(",")
+    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down)
+    for o in opts:
+        key, _, val = o.partition("=")
+        if key in ("gate", "down"):
+            v[key] = int(val)
+        else:
+            v["defines"].append(o)
+    return v
+
+
+def timed(cp, launches, reps: int) -> float:
+    """Median microseconds per launch of ``launches`` (a list of callables), captured once in a CUDA graph."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for f in launches[:4]:  # warm: module load, clocks
+            f()
+        stream.begin_capture()
+        for f in launches:
+            f()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        times = []
+        for _ in range(reps):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / len(launches))
+    return float(np.median(times))
+
+
 def main() -> int:
     import cupy as cp
 
-    from rewrite.core.int4 import pack_int4
     from rewrite.plugins.moe.lowering import CUDA_DOWN_ROWS, CUDA_GATE_ITEMS, CUDA_THREADS, FusedMoE
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-D", action="append", default=[], dest="defines", help="a macro for nvcc (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=SOURCE[,MACRO...][,gate=N][,down=N] (repeatable)")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel per shape, no timing")
     ap.add_argument("--tokens", default="1,4")
-    ap.add_argument("--gate-items", type=int, default=CUDA_GATE_ITEMS, help="the lowering's CUDA_GATE_ITEMS")
-    ap.add_argument("--down-rows", type=int, default=CUDA_DOWN_ROWS, help="the lowering's CUDA_DOWN_ROWS")
+    ap.add_argument("--reps", type=int, default=REPS)
     args = ap.parse_args()
-    src = (ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu").read_text()
-    mod = cp.RawModule(code=src, backend="nvcc", options=("-O3", *(f"-D{d}" for d in args.defines)))
-    gate_up, down = mod.get_function("moe_gate_up_f16"), mod.get_function("moe_down_f16")
+    shipped = ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu"
+    variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS) for v in args.variant] or \
+        [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS)]
+    for v in variants:
+        mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",
+                           options=("-O3", *(f"-D{d}" for d in v["defines"])))
+        v["kernels"] = mod.get_function("moe_gate_up_f16"), mod.get_function("moe_down_f16")
     bw = copy_bandwidth(cp)
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; macros: {' '.join(args.defines) or '-'}; gate items "
-          f"{args.gate_items}, down rows {args.down_rows}")
-    print(f"{'shape':<20} {'T':>2} {'kernel':<8} {'us':>7} {'MB':>7} {'GB/s':>6} {'of copy':>8}  check")
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; {ITERS} launches per CUDA graph, median of {args.reps} replays")
+    for v in variants:
+        print(f"  {v['name']}: {v['source'].name} {' '.join('-D' + d for d in v['defines']) or ''} gate items "
+              f"{v['gate']}, down rows {v['down']}")
+    print(f"{'shape':<18} {'T':>2} {'variant':<12} {'gate_up':>8} {'down':>8} {'layer':>8} {'MB':>6} {'GB/s':>6} "
+          f"{'of copy':>8}  check")
     rng = np.random.default_rng(0)
     for name, (e, k, h, i) in SHAPES.items():
-        layers = []
+        layers = []  # drawn on the GPU (random bytes are random pairs of codes); layer 0 also on the host
+        crng = cp.random.RandomState(e)
         for _ in range(LAYERS):
-            w = dict(fc1=pack_int4(rng.integers(0, 16, (e, 2 * i, h), dtype=np.uint8)),
-                     s1=(rng.uniform(0.5, 1.5, (e, 2 * i, h // BLOCK)) * 0.02).astype(np.float16),
-                     z1=rng.integers(0, 16, (e, 2 * i, h // BLOCK), dtype=np.uint8),
-                     fc2=pack_int4(rng.integers(0, 16, (e, h, i), dtype=np.uint8)),
-                     s2=(rng.uniform(0.5, 1.5, (e, h, -(-i // BLOCK))) * 0.02).astype(np.float16),
-                     z2=rng.integers(0, 16, (e, h, -(-i // BLOCK)), dtype=np.uint8))
-            layers.append((w, {n: cp.asarray(v) for n, v in w.items()}))
+            d = dict(fc1=crng.randint(0, 256, (e, 2 * i, h // 2), dtype=cp.uint8),
+                     s1=(crng.uniform(0.5, 1.5, (e, 2 * i, h // BLOCK)) * 0.02).astype(cp.float16),
+                     z1=crng.randint(0, 16, (e, 2 * i, h // BLOCK), dtype=cp.uint8),
+                     fc2=crng.randint(0, 256, (e, h, i // 2), dtype=cp.uint8),
+                     s2=(crng.uniform(0.5, 1.5, (e, h, -(-i // BLOCK))) * 0.02).astype(cp.float16),
+                     z2=crng.randint(0, 16, (e, h, -(-i // BLOCK)), dtype=cp.uint8))
+            layers.append((None, d))
+        layers[0] = ({n: cp.asnumpy(v) for n, v in layers[0][1].items()}, layers[0][1])
         per_expert = {"gate_up": sum(layers[0][0][n][0].nbytes for n in ("fc1", "s1", "z1")),
                       "down": sum(layers[0][0][n][0].nbytes for n in ("fc2", "s2", "z2"))}
         for t in (int(v) for v in args.tokens.split(",")):
@@ -84,46 +132,54 @@ def main() -> int:
             logits = (rng.standard_normal((t, e)) * 3).astype(np.float16)
             dx, dl = cp.asarray(x), cp.asarray(logits)
             dummy_ids, dummy_b = cp.zeros(1, cp.int64), cp.zeros(1, cp.float16)
-            act, out = cp.zeros(t * k * i, cp.float32), cp.zeros((t, h), cp.float16)
+            # the act rows, then the routing gate_up leaves for down (2 * T * k floats)
+            act, out = cp.zeros(t * k * (i + 2), cp.float32), cp.zeros((t, h), cp.float16)
             flags = F16 | INT4 | ZERO_POINTS
-            consts = [np.int32(v) for v in (t, h, i, e, k, BLOCK, flags, np.float32(1.0).view(np.int32),
-                                            0, 0)]
-            grid1 = (t, -(-i // -(-args.gate_items // k)))
-            grid2 = (t, -(-h // args.down_rows))
-
-            def launch(kernel, layer):
-                d = layers[layer][1]
-                if kernel == "gate_up":
-                    gate_up(grid1, (CUDA_THREADS,), (dx, dl, dummy_ids, d["fc1"], d["s1"], d["z1"], dummy_b, act, *consts))
-                else:
-                    down(grid2, (CUDA_THREADS,), (dl, dummy_ids, act, d["fc2"], d["s2"], d["z2"], dummy_b, out, *consts))
-
-            launch("gate_up", 0)
-            launch("down", 0)
-            cp.cuda.Device().synchronize()
-            got = cp.asnumpy(out).astype(np.float64)
+            consts = [np.int32(c) for c in (t, h, i, e, k, BLOCK, flags, np.float32(1.0).view(np.int32), 0, 0)]
             w0 = layers[0][0]
             want = FusedMoE().reference(dict(k=k, normalize=0, mode="softmax_topk", activation="swiglu", block_size=BLOCK),
                                         x, logits, w0["fc1"], w0["fc2"], w0["s1"], w0["z1"], w0["s2"], w0["z2"])[0]
-            err = float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
-            check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'}"
-            if args.once:
-                print(f"{name:<20} {t:>2} {'both':<8} {'-':>7} {'-':>7} {'-':>6} {'-':>8}  {check}")
-                continue
             distinct = len(np.unique(np.argsort(-logits.astype(np.float32), axis=-1)[:, :k]))
-            for kernel in ("gate_up", "down"):
-                for n in range(4):  # warm
-                    launch(kernel, n % LAYERS)
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record()
-                for n in range(ITERS):
-                    launch(kernel, n % LAYERS)
-                stop.record()
-                stop.synchronize()
-                us = cp.cuda.get_elapsed_time(start, stop) * 1e3 / ITERS
-                nbytes = distinct * per_expert[kernel]
-                print(f"{name:<20} {t:>2} {kernel:<8} {us:>7.1f} {nbytes / 1e6:>7.2f} {nbytes / us / 1e3:>6.0f} "
-                      f"{nbytes / us / 1e3 / (bw / 1e9):>8.1%}  {check if kernel == 'down' else ''}", flush=True)
+            nbytes = {kn: distinct * per_expert[kn] for kn in per_expert}
+            if not args.once:  # a device-to-device copy of the layer's bytes (read + write), the same way timed
+                half = (nbytes["gate_up"] + nbytes["down"]) // 2
+                bufs = [(cp.empty(half, cp.uint8), cp.empty(half, cp.uint8)) for _ in range(LAYERS)]
+                copy_us = timed(cp, [lambda n=n: bufs[n % LAYERS][1].__setitem__(Ellipsis, bufs[n % LAYERS][0])
+                                     for n in range(ITERS)], args.reps)
+                print(f"{name:<18} {t:>2} {'copy':<12} {'':>8} {'':>8} {copy_us:>8.1f} {2 * half / 1e6:>6.2f} "
+                      f"{2 * half / copy_us / 1e3:>6.0f} {2 * half / copy_us / 1e3 / (bw / 1e9):>8.1%}  "
+                      "(a copy of as many bytes, read + write)")
+                del bufs
+            for v in variants:
+                gate_up, down = v["kernels"]
+                grid1 = (t, -(-i // -(-v["gate"] // k)))
+                grid2 = (t, -(-h // v["down"]))
+
+                def launch(kernel, layer, gate_up=gate_up, down=down, grid1=grid1, grid2=grid2):
+                    d = layers[layer][1]
+                    if kernel == "gate_up":
+                        gate_up(grid1, (CUDA_THREADS,), (dx, dl, dummy_ids, d["fc1"], d["s1"], d["z1"], dummy_b, act, *consts))
+                    else:
+                        down(grid2, (CUDA_THREADS,), (dl, dummy_ids, act, d["fc2"], d["s2"], d["z2"], dummy_b, out, *consts))
+
+                out[...] = 0
+                launch("gate_up", 0)
+                launch("down", 0)
+                cp.cuda.Device().synchronize()
+                got = cp.asnumpy(out).astype(np.float64)
+                err = float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
+                check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'}"
+                if args.once:
+                    print(f"{name:<18} {t:>2} {v['name']:<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
+                    continue
+                us = {kn: timed(cp, [lambda n=n, kn=kn: launch(kn, n % LAYERS) for n in range(ITERS)], args.reps)
+                      for kn in ("gate_up", "down")}
+                both = timed(cp, [lambda n=n, kn=kn: launch(kn, n % LAYERS) for n in range(ITERS) for kn in ("gate_up", "down")],
+                             args.reps) * 2
+                total = nbytes["gate_up"] + nbytes["down"]
+                print(f"{name:<18} {t:>2} {v['name']:<12} {us['gate_up']:>8.1f} {us['down']:>8.1f} {both:>8.1f} "
+                      f"{total / 1e6:>6.2f} {total / both / 1e3:>6.0f} {total / both / 1e3 / (bw / 1e9):>8.1%}  {check}",
+                      flush=True)
     return 0
 
 

@@ -53,10 +53,10 @@ ROWS_PER_WORKGROUP = 32  #: ROWS in rewrite/plugins/moe/kernels/moe_cpu.c
 #: THREADS, MAX_E in rewrite/plugins/moe/kernels/moe_cuda.cu
 CUDA_THREADS, CUDA_MAX_E = 256, 512
 #: CUDA grid: (expert, row) items per gate_up workgroup (its I rows: ceil(this / k)) and H rows per down workgroup.
-#: Two passes of 8 warps, 2 items (4 rows) or 1 row each: the router runs once per 32 items, and at T=1 the grid is
-#: one wave of two workgroups per SM (176 gate_up and 128 down workgroups for Qwen1.5-MoE's I=1408, k=4, H=2048;
-#: BENCHMARKS.md has the configurations measured)
-CUDA_GATE_ITEMS, CUDA_DOWN_ROWS = 32, 16
+#: gate_up: two passes of 8 warps, one item (gate and up rows) each; down: one row of H per warp, all k experts'
+#: pieces of it in flight at once (352 gate_up and 256 down workgroups for Qwen1.5-MoE's I=1408, k=4, H=2048 at
+#: T=1; BENCHMARKS.md has the configurations measured)
+CUDA_GATE_ITEMS, CUDA_DOWN_ROWS = 16, 8
 _FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64}
 MODES = ("softmax_topk", "topk_softmax", "routed")
 #: input positions of the contract
@@ -252,14 +252,15 @@ class FusedMoE(AbstractOp):
     # ----------------------------------------------------------------- IREE
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """The same two dispatches as :meth:`lower_iree`, of rewrite/plugins/moe/kernels/moe_cuda.cu (PTX for
-        ``ctx.cuda_arch``): ``moe_gate_up_<el>`` on (T, ceil(I / ceil(32 / k))) workgroups of 256 threads,
-        ``moe_down_<el>`` on (T, ceil(H / 16)); each workgroup routes its token once for all k experts, then its
-        warps take 2 to 4 weight rows at a time, the INT4 dequantization inside the dot product (the kernel
-        source's header gives the fast path). The 10 scalars are i32 push constants.
+        ``ctx.cuda_arch``): ``moe_gate_up_<el>`` on (T, ceil(I / ceil(16 / k))) workgroups of 256 threads,
+        ``moe_down_<el>`` on (T, ceil(H / 8)); each gate_up workgroup routes its token once for all k experts
+        and the first of a token leaves the routing behind the act rows, which down reads instead of routing
+        again; the INT4 dequantization is inside the dot product (the kernel source's header gives the fast
+        path). The 10 scalars are i32 push constants.
 
         Raises:
             BackendError: as :meth:`lower_iree`, and H or I not a multiple of 8, a block size that is not, more
-                than 512 experts (the router's shared-memory stage).
+                than 512 experts (the router's 16 logits per lane).
         """
         return self._lower_iree(op, ctx, cuda=True)
 
@@ -316,7 +317,9 @@ class FusedMoE(AbstractOp):
         S = {n: int(np.prod(tys[kk].dims)) if present[kk] and n != "ids" else 1 for n, kk in zip(names, range(2, 11))}
         L = k if routed else E  # columns of input 1: routed weights [T, k] or logits [T, E]
         rows1, rows2 = (-(-CUDA_GATE_ITEMS // k), CUDA_DOWN_ROWS) if cuda else (ROWS_PER_WORKGROUP, ROWS_PER_WORKGROUP)
-        consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cL": L, "%cbs": bs, "%cfl": flags,
+        # act: the [T*k, I] SwiGLU rows; on cuda 2*T*k more floats behind them, where gate_up leaves the
+        # routing (k weights, k ids) for down (moe_cuda.cu's header)
+        consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cIa": I + 2 if cuda else I, "%cL": L, "%cbs": bs, "%cfl": flags,
                   "%nb1": -(-I // rows1), "%nb2": -(-H // rows2), "%cal": alpha, "%cbe": beta,
                   "%cli": limit}
         lines = [f"    {n} = arith.constant {v} : index" for n, v in consts.items()]
@@ -324,7 +327,7 @@ class FusedMoE(AbstractOp):
                   f"    %t = tensor.dim %in0, %moe_c0 : {tys[0].builtin}",
                   f"    %tk = arith.muli %t, %c{k}k : index",
                   "    %th = arith.muli %t, %cH : index", "    %tl = arith.muli %t, %cL : index",
-                  "    %tki = arith.muli %tk, %cI : index"]
+                  "    %tki = arith.muli %tk, %cIa : index"]
         for name, kk, e in (("x", 0, el), ("l", 1, el), ("ids", IDS, "i64")):  # [T, n] -> tensor<?xel>
             if name == "ids" and not routed:
                 continue
@@ -437,11 +440,13 @@ def _cuda_executable(name: str, obj: str, el: str) -> str:
 
 def _ort_block(bs: int, h: int, i: int, zero_points: bool, cuda: bool = False) -> int:
     """Largest power-of-two block dividing ``bs``, H and I that QMoE accepts: on the CPU EP <= ORT_MAX_BLOCK
-    and >= 16 (>= 64 with zero points); on the CUDA EP 64 or 128, and with zero points at least 2 blocks along
-    both H and I (onnxruntime-gpu 1.31 on an H200: H=128, I=64 with block 64, or H=256, I=128 with block 128,
-    give rel. errors of 0.3-1.6 with zero points and 1e-3 without). 0 if none."""
+    and >= 16 (>= 64 with zero points); on the CUDA EP 64 or 128, and with zero points an even number of blocks
+    along both H and I (onnxruntime-gpu 1.31.1 on an H200, examples/gpu_check.py samples: 11 blocks along I,
+    as H=2048, I=704 with block 64 or I=1408 with block 128, and 1 block, as H=256, I=128 with block 128, give
+    rel. errors of 0.3-1.6 with zero points, while the CPU EP computes the same QMoE to 1e-4; 6, 12 and 22
+    blocks, and any count without zero points, are right). 0 if none."""
     if cuda:
-        fits = lambda q: bs % q == 0 and h % q == 0 and i % q == 0 and (not zero_points or min(h, i) >= 2 * q)  # noqa: E731
+        fits = lambda q: bs % q == 0 and h % q == 0 and i % q == 0 and (not zero_points or (h // q) % 2 == (i // q) % 2 == 0)  # noqa: E731
         return next((q for q in (128, 64) if fits(q)), 0)
     q = min(bs & -bs, ORT_MAX_BLOCK)  # bs & -bs: largest power of two dividing bs (96 -> 32)
     while q >= (64 if zero_points else 16):

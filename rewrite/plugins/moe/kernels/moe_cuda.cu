@@ -7,23 +7,28 @@
 // kernels (moe_cpu.c), which these follow step for step:
 //   x [T, H], logits [T, E] (ROUTED: weights [T, k]), ids [T, k] i64 (ROUTED), w1 [E, 2I, H] float or INT4 codes
 //   two per byte along H (even element in the low nibble), s1/z1 [E, 2I, nb] scales / uint8 zero points (8 when
-//   absent), b1 [E, 2I]; w2 [E, H, I], s2/z2 [E, H, nb2], b2 [E, H]; act [T*k, I] f32 scratch; out [T, H].
+//   absent), b1 [E, 2I]; w2 [E, H, I], s2/z2 [E, H, nb2], b2 [E, H]; act [T*k*I + 2*T*k] f32 scratch (the act
+//   rows, then the routing: see moe_gate_up); out [T, H].
 //
 // moe_gate_up_<el>: grid (T, ceil(I / rows)), THREADS threads; rows = ceil(I / gridDim.y) (the lowering picks
-// the grid). Warp 0 routes the block's token (warp-parallel softmax and top-k, lowest index first on ties) into
-// shared memory, once for all k experts; the block's items are (expert j, row r) pairs, each the gate and up
-// rows r of expert e_j, then SwiGLU into act[t*k + j, r].
-// moe_down_<el>: grid (T, ceil(H / rows)): the same routing, then per row r of H the sum over the k experts of
-// w_j * (w2[e_j] row r . act[t, j] + b2), written once in x's type.
+// the grid). Warp 0 routes the block's token into shared memory, once for all k experts (softmax, then top-k with
+// the warp's max/min reductions: lowest index first on ties); the block's items are (expert j, row r) pairs, each
+// the gate and up rows r of expert e_j, then SwiGLU into act[t*k + j, r]. The blocks of row block 0 also write
+// the token's routing behind the act rows: act[T*k*I + 2*k*t + j] = w_j, [.. + k + j] = e_j (int bits).
+// moe_down_<el>: grid (T, ceil(H / rows)): each warp reads its token's routing from behind the act rows (no
+// routing again), then per row r of H the sum over the k experts of w_j * (w2[e_j] row r . act[t, j] + b2),
+// written once in x's type.
 //
 // Fast path (f16 activations, INT4 weights, H, I and the block size multiples of 32, the vectors within the
 // shared stages): the vector (x, or the k act rows) is staged once per workgroup in shared memory as half2,
 // scaled by 1/16 (range for the half products) and laid out per 8 elements as (v0,v4),(v1,v5),(v2,v6),(v3,v7):
 // the order in which the "magic number" conversion (code | 0x6400 is the half 1024 + code) takes two nibbles of
-// a 32-bit word at once. Each lane reads 16 bytes (32 codes) of a row per load; a warp works on up to 4 rows
-// with one vector read (gate_up: gate and up of two items; down: 4 of the k experts), so 4 to 8 loads of 16
-// bytes are in flight per lane. Products and sums of 4 are in half2 (codes minus zero point are exact), the
-// rest in f32. Other configurations take the general path: one row per warp, f32 arithmetic.
+// a 32-bit word at once. Each lane reads 16 bytes (32 codes) of a row per load. gate_up: a warp works on the gate
+// and up rows of GATE_PAIRS items with one vector read, all their loads in flight at once. down: a warp takes
+// one row of H for all k experts at once, the k * I / 32 pieces spread over its lanes (up to DOWN_LOADS per lane
+// in flight), issued before the act rows are staged, so the staging hides behind the weight loads. Products and
+// sums of 4 are in half2 (codes minus zero point are exact), the rest in f32. Other configurations take the
+// general path: one row per warp, f32 arithmetic.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -40,9 +45,18 @@
 #define MAX_K 64
 #define THREADS 256    // 8 warps per workgroup (CUDA_THREADS in lowering.py)
 #define WARPS (THREADS / 32)
-#define MAX_E 512      // largest expert count: the router's logits, f32 in shared memory
+#define MAX_E 512      // largest expert count: the router holds E / 32 logits per lane
 #define MAX_XH 8192    // fast path: largest H (x staged as half in shared memory)
 #define MAX_ACT 16384  // fast path: largest k * I (the token's act rows staged as half)
+#ifndef GATE_PAIRS
+#define GATE_PAIRS 1   // gate_up: items (gate and up rows of one expert) per warp per pass
+#endif
+#ifndef GATE_MIN_BLOCKS
+#define GATE_MIN_BLOCKS 3  // gate_up: __launch_bounds__ minimum of resident workgroups per SM (80 registers)
+#endif
+#ifndef DOWN_LOADS
+#define DOWN_LOADS 8   // down: 16-byte pieces per lane in flight
+#endif
 #define VEC_SCALE 0.0625f  // staged vectors are scaled by 1/16 so half products of up to 4 codes stay finite
 
 __device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
@@ -56,14 +70,73 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Warp 0 routes token t into ids / w (shared); every thread returns after the barrier. Softmax over E in f32,
-// top-k by value with the lowest index first on ties; TOPK_SOFTMAX and NORMALIZE divide by the sum over the k.
+// A float's order as an unsigned key (larger float, larger key); NaN is 0, below every number, -inf included.
+__device__ __forceinline__ unsigned order_key(float v) {
+  unsigned b = __float_as_uint(v);
+  return v != v ? 0u : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// One warp (lane = threadIdx.x & 31) routes token t from its logits: softmax over E in f32, then top-k by value
+// with the lowest index first on ties: per round the warp's max key, then the lowest index that holds it, one
+// reduction each; only the lane that gave up its value scans its NM values again. NM = logits per lane, E <= 32 NM.
+template <int NM, typename T>
+__device__ void route_logits(const T* __restrict__ logits, int t, int E, int K, int flags, long long* ids, float* w) {
+  int lane = threadIdx.x & 31;
+  unsigned key[NM];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int m = 0; m < NM; ++m) {
+    int e = lane + 32 * m;
+    float v = e < E ? ld(logits, (long long)t * E + e) : NAN;
+    key[m] = order_key(v);
+    mx = fmaxf(mx, v);
+  }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float den = 0.f;
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+    if (key[m]) den += __expf(key_value(key[m]) - mx);
+  den = warp_sum(den);
+  unsigned best = 0u;
+  int bi = 0x7fffffff;
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+    if (key[m] > best) best = key[m], bi = lane + 32 * m;  // ascending e: the lowest index wins ties
+  float sel = 0.f;
+  for (int j = 0; j < K; ++j) {
+    unsigned top = __reduce_max_sync(0xffffffffu, best);
+    int win = (int)__reduce_min_sync(0xffffffffu, (unsigned)(best == top && top ? bi : 0x7fffffff));
+    float p = top ? __expf(key_value(top) - mx) : 0.f;
+    if (!top) win = -1;  // fewer than k logits are numbers: contributes nothing
+    if (lane == 0) ids[j] = win, w[j] = p;
+    sel += p;
+    if (win == bi) {  // this lane's best was taken: drop it, scan again
+      best = 0u, bi = 0x7fffffff;
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        if (lane + 32 * m == win) key[m] = 0u;
+        if (key[m] > best) best = key[m], bi = lane + 32 * m;
+      }
+    }
+  }
+  __syncwarp();
+  float d = (flags & (NORMALIZE | TOPK_SOFTMAX)) ? sel : den;
+  for (int j = lane; j < K; j += 32) w[j] /= d;
+}
+
+// Warp 0 routes token t into ids / w (shared); every thread returns after the barrier. Logits: route_logits, with
+// TOPK_SOFTMAX and NORMALIZE dividing by the sum over the k. ROUTED: the given ids and weights, an id outside
+// [0, E) contributing nothing. ``tail`` (or null): where the routing is also written for the down kernel, k
+// weights then k ids (int bits).
 template <typename T>
 __device__ void route(const T* __restrict__ logits, const long long* __restrict__ given, int t, int E, int K,
-                      int flags, long long* ids, float* w, float* scratch) {
-  __shared__ unsigned char taken[MAX_E];
+                      int flags, long long* ids, float* w, float* tail) {
 #ifdef NO_ROUTE  // a variant for benchmarks/moe_cuda_kernels.py: experts 0..k-1, weight 1/k, no routing
   if (threadIdx.x < K) ids[threadIdx.x] = threadIdx.x, w[threadIdx.x] = 1.f / K;
+  if (tail && threadIdx.x < K) tail[threadIdx.x] = 1.f / K, tail[K + threadIdx.x] = __int_as_float(threadIdx.x);
   __syncthreads();
   return;
 #endif
@@ -76,44 +149,20 @@ __device__ void route(const T* __restrict__ logits, const long long* __restrict_
         ids[j] = ok ? e : -1;
         w[j] = ok ? ld(logits, (long long)t * K + j) : 0.f;
       }
+    } else if (E <= 32) {
+      route_logits<1>(logits, t, E, K, flags, ids, w);
+    } else if (E <= 64) {
+      route_logits<2>(logits, t, E, K, flags, ids, w);
+    } else if (E <= 128) {
+      route_logits<4>(logits, t, E, K, flags, ids, w);
+    } else if (E <= 256) {
+      route_logits<8>(logits, t, E, K, flags, ids, w);
     } else {
-      float mx = -INFINITY;
-      for (int e = lane; e < E; e += 32) {
-        float v = ld(logits, (long long)t * E + e);
-        scratch[e] = v;
-        taken[e] = 0;
-        mx = fmaxf(mx, v);
-      }
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      __syncwarp();
-      float den = 0.f;
-      for (int e = lane; e < E; e += 32) den += __expf(scratch[e] - mx);
-      den = warp_sum(den);
-      float sel = 0.f;
-      for (int j = 0; j < K; ++j) {
-        float bv = -INFINITY;
-        int bi = -1;  // none yet: -inf logits are still candidates, NaN ones never are
-        for (int e = lane; e < E; e += 32) {
-          float v = scratch[e];
-          if (!taken[e] && v == v && (bi < 0 || v > bv)) bv = v, bi = e;  // ascending e: the lowest index wins ties
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-          float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-          int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-          if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) bv = ov, bi = oi;
-        }
-        float p = bi >= 0 ? __expf(bv - mx) : 0.f;
-        if (lane == 0) {
-          ids[j] = bi;  // -1 (contributes nothing) only when fewer than k logits are numbers
-          w[j] = p;
-        }
-        sel += p;
-        if (bi >= 0 && lane == (bi & 31)) taken[bi] = 1;
-        __syncwarp();
-      }
-      float d = (flags & (NORMALIZE | TOPK_SOFTMAX)) ? sel : den;
-      for (int j = lane; j < K; j += 32) w[j] /= d;
+      route_logits<MAX_E / 32>(logits, t, E, K, flags, ids, w);
     }
+    __syncwarp();
+    if (tail)
+      for (int j = lane; j < K; j += 32) tail[j] = w[j], tail[K + j] = __int_as_float((int)ids[j]);
   }
   __syncthreads();
 }
@@ -196,10 +245,9 @@ template <typename V>
 __device__ __forceinline__ void stage(const V* __restrict__ v, int n, __half2* sh) {
   for (int g = threadIdx.x; g < n / 8; g += THREADS) {
     float f[8];
+    load8(v, 8 * g, f);
 #pragma unroll
-    for (int m = 0; m < 8; ++m) f[m] = ld(v, 8LL * g + m) * VEC_SCALE;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) sh[4 * g + m] = __floats2half2_rn(f[m], f[m + 4]);
+    for (int m = 0; m < 4; ++m) sh[4 * g + m] = __floats2half2_rn(f[m] * VEC_SCALE, f[m + 4] * VEC_SCALE);
   }
 }
 
@@ -286,8 +334,8 @@ template <typename T>
 __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, const long long* __restrict__ given,
                         const void* __restrict__ w1, const T* __restrict__ s1, const uint8_t* __restrict__ z1,
                         const T* __restrict__ b1, float* __restrict__ act, int H, int I, int E, int K, int bs,
-                        int flags, int alpha_b, int beta_b, int limit_b) {
-  __shared__ float scratch[MAX_E], w[MAX_K];
+                        int tokens, int flags, int alpha_b, int beta_b, int limit_b) {
+  __shared__ float w[MAX_K];
   __shared__ long long ids[MAX_K];
   __shared__ __align__(16) __half2 xsh[MAX_XH / 2];
   int t = blockIdx.x;
@@ -295,7 +343,8 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
   bool fast = fast_path(flags, H, I, K, bs);
   const T* xv = x + (long long)t * H;
   if (fast && threadIdx.x >= 32) stage(xv, H, xsh);  // warps 1.. stage x while warp 0 routes
-  route(logits, given, t, E, K, flags, ids, w, scratch);
+  float* tail = blockIdx.y == 0 ? act + (long long)tokens * K * I + 2LL * K * t : nullptr;
+  route(logits, given, t, E, K, flags, ids, w, tail);
   if (fast && threadIdx.x < 32) stage(xv, H, xsh);  // warp 0's share of the groups, after routing
   __syncthreads();
   float alpha = bits(alpha_b), beta = bits(beta_b), limit = bits(limit_b);
@@ -305,15 +354,15 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
   if (here <= 0) return;
   if (fast) {
     int nb = (H + bs - 1) / bs;  // a last block may be partial, or longer than the row
-    for (int n0 = 2 * warp; n0 < items; n0 += 2 * WARPS) {  // two items per pass: 4 rows with one vector read
-      const uint8_t* rp[4];
-      const __half* sp[4];
-      const uint8_t* zp[4];
-      bool live[4];
-      long long e2[2];
-      int r2[2];
+    for (int n0 = GATE_PAIRS * warp; n0 < items; n0 += GATE_PAIRS * WARPS) {  // GATE_PAIRS items per pass
+      const uint8_t* rp[2 * GATE_PAIRS];
+      const __half* sp[2 * GATE_PAIRS];
+      const uint8_t* zp[2 * GATE_PAIRS];
+      bool live[2 * GATE_PAIRS];
+      long long e2[GATE_PAIRS];
+      int r2[GATE_PAIRS];
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
+      for (int m = 0; m < GATE_PAIRS; ++m) {
         int n = n0 + m;
         bool ok = n < items;
         int j = ok ? n / here : 0, r = r0 + (ok ? n % here : 0);
@@ -328,11 +377,13 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
           live[2 * m + h] = e >= 0;
         }
       }
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      const __half2* vec[4] = {xsh, xsh, xsh, xsh};
-      dot_rows<4, true>(rp, sp, zp, live, H, bs, vec, acc);
+      float acc[2 * GATE_PAIRS];
+      const __half2* vec[2 * GATE_PAIRS];
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
+      for (int m = 0; m < 2 * GATE_PAIRS; ++m) acc[m] = 0.f, vec[m] = xsh;
+      dot_rows<2 * GATE_PAIRS, true>(rp, sp, zp, live, H, bs, vec, acc);
+#pragma unroll
+      for (int m = 0; m < GATE_PAIRS; ++m) {
         float g = warp_sum(acc[2 * m]) * (1.f / VEC_SCALE), u = warp_sum(acc[2 * m + 1]) * (1.f / VEC_SCALE);
         int n = n0 + m;
         if (n >= items) continue;
@@ -368,55 +419,72 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
   }
 }
 
+// One 16-byte piece of the down projection: row ``row`` of w2, piece q (codes 32q .. 32q+31), its scale times the
+// expert's mixing weight, its zero point as the half 1024 + zp (see dot32).
+struct Piece {
+  uint4 w;
+  float sc;
+  __half2 zh;
+};
+
 template <typename T>
-__device__ void down(const T* __restrict__ logits, const long long* __restrict__ given, const float* __restrict__ act,
-                     const void* __restrict__ w2, const T* __restrict__ s2, const uint8_t* __restrict__ z2,
-                     const T* __restrict__ b2, T* __restrict__ out, int H, int I, int E, int K, int bs, int flags) {
-  __shared__ float scratch[MAX_E], w[MAX_K];
-  __shared__ long long ids[MAX_K];
+__device__ void down(const float* __restrict__ act, const void* __restrict__ w2, const T* __restrict__ s2,
+                     const uint8_t* __restrict__ z2, const T* __restrict__ b2, T* __restrict__ out, int tokens, int H,
+                     int I, int K, int bs, int flags) {
+  __shared__ float wsh[WARPS][MAX_K];
+  __shared__ int idsh[WARPS][MAX_K];
   __shared__ __align__(16) __half2 ash[MAX_ACT / 2];
   int t = blockIdx.x;
   int rows = (H + gridDim.y - 1) / gridDim.y, r0 = blockIdx.y * rows, r1 = min(H, r0 + rows);
-  bool fast = fast_path(flags, H, I, K, bs);
-  const float* at = act + (long long)t * K * I;  // the token's k act rows, contiguous
-  if (fast && threadIdx.x >= 32) stage(at, K * I, ash);
-  route(logits, given, t, E, K, flags, ids, w, scratch);
-  if (fast && threadIdx.x < 32) stage(at, K * I, ash);
-  __syncthreads();
   int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const float* at = act + (long long)t * K * I;  // the token's k act rows, contiguous
+  const float* tail = act + (long long)tokens * K * I + 2LL * K * t;
+  // each warp its own copy of the routing (read from L2, no barrier before the weight loads)
+  float* w = wsh[warp];
+  int* ids = idsh[warp];
+  for (int j = lane; j < K; j += 32) w[j] = tail[j], ids[j] = __float_as_int(tail[K + j]);
+  __syncwarp();
+  bool fast = fast_path(flags, H, I, K, bs);
   if (fast) {
-    int nb = (I + bs - 1) / bs;
-    for (int r = r0 + warp; r < r1; r += WARPS) {
+    int nq = I / 32, nb = (I + bs - 1) / bs, np = K * nq;  // pieces per row, scale blocks, pieces of all k rows
+    int r = r0 + warp;  // one row per warp per pass
+    // the first pass's loads go out before the staging of the act rows (which they do not need)
+    Piece pc[DOWN_LOADS];
+    auto issue = [&](int rr, int p0) {
+#pragma unroll
+      for (int u = 0; u < DOWN_LOADS; ++u) {
+        int p = p0 + lane + 32 * u, j = p / nq, q = p - j * nq;
+        int e = p < np && rr < r1 ? ids[j] : -1;
+        long long row = (long long)(e < 0 ? 0 : e) * H + rr;
+        int b = (32 * q) / bs;
+        pc[u].w = e >= 0 ? __ldg((const uint4*)((const uint8_t*)w2 + row * (I / 2)) + q) : make_uint4(0, 0, 0, 0);
+        pc[u].sc = e >= 0 ? __half2float(__ldg((const __half*)s2 + row * nb + b)) * w[j] : 0.f;
+        pc[u].zh = __float2half2_rn(1024.f + (e >= 0 && (flags & ZERO_POINTS) ? (float)__ldg(z2 + row * nb + b) : 8.f));
+      }
+    };
+    issue(r, 0);
+    stage(at, K * I, ash);
+    __syncthreads();
+    for (; r < r1; r += WARPS) {
       float total = 0.f;
-      for (int j0 = 0; j0 < K; j0 += 4) {  // 4 experts per pass, each with its own act row
-        const uint8_t* rp[4];
-        const __half* sp[4];
-        const uint8_t* zp[4];
-        bool live[4];
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int p0 = 0; p0 < np; p0 += 32 * DOWN_LOADS) {
+        if (p0 > 0 || r > r0 + warp) issue(r, p0);
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          long long e = j0 + m < K ? ids[j0 + m] : -1;
-          long long row = (e < 0 ? 0 : e) * H + r;
-          rp[m] = (const uint8_t*)w2 + row * (I / 2);
-          sp[m] = (const __half*)s2 + row * nb;
-          zp[m] = (flags & ZERO_POINTS) ? z2 + row * nb : nullptr;
-          live[m] = e >= 0;
-        }
-        const __half2* vec[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m) vec[m] = ash + (long long)min(j0 + m, K - 1) * (I / 2);
-        dot_rows<4, false>(rp, sp, zp, live, I, bs, vec, acc);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          if (!live[m]) continue;
-          float d = acc[m] * (1.f / VEC_SCALE);  // lane partial; the bias is added once, by lane 0
-          if ((flags & BIAS) && lane == 0) d += ld(b2, ids[j0 + m] * H + r);
-          total += w[j0 + m] * d;
+        for (int u = 0; u < DOWN_LOADS; ++u) {
+          int p = p0 + lane + 32 * u, j = p / nq, q = p - j * nq;
+          if (p >= np) break;
+          const uint4* xp = (const uint4*)(ash + (long long)j * (I / 2)) + 4 * q;
+          uint4 xv[4] = {xp[0], xp[1], xp[2], xp[3]};
+          total += pc[u].sc * dot32(pc[u].w, xv, pc[u].zh);
         }
       }
-      total = warp_sum(total);
-      if (lane == 0) st(out, (long long)t * H + r, total);
+      total = warp_sum(total) * (1.f / VEC_SCALE);
+      if (lane == 0) {
+        if (flags & BIAS)
+          for (int j = 0; j < K; ++j)
+            if (ids[j] >= 0) total += w[j] * ld(b2, (long long)ids[j] * H + r);
+        st(out, (long long)t * H + r, total);
+      }
     }
     return;
   }
@@ -434,20 +502,19 @@ __device__ void down(const T* __restrict__ logits, const long long* __restrict__
 }
 
 #define GATE_UP(name, T)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(THREADS) name(                                                  \
+  extern "C" __global__ void __launch_bounds__(THREADS, GATE_MIN_BLOCKS) name(                                                  \
       const T* x, const T* logits, const long long* given, const void* w1, const T* s1, const uint8_t* z1,      \
       const T* b1, float* act, int t, int H, int I, int E, int K, int bs, int flags, int alpha_b, int beta_b,   \
       int limit_b) {                                                                                             \
-    (void)t;                                                                                                    \
-    gate_up(x, logits, given, w1, s1, z1, b1, act, H, I, E, K, bs, flags, alpha_b, beta_b, limit_b);           \
+    gate_up(x, logits, given, w1, s1, z1, b1, act, H, I, E, K, bs, t, flags, alpha_b, beta_b, limit_b);        \
   }
 #define DOWN(name, T)                                                                                           \
   extern "C" __global__ void __launch_bounds__(THREADS) name(                                                  \
       const T* logits, const long long* given, const float* act, const void* w2, const T* s2, const uint8_t* z2, \
       const T* b2, T* out, int t, int H, int I, int E, int K, int bs, int flags, int alpha_b, int beta_b,       \
       int limit_b) {                                                                                             \
-    (void)t, (void)alpha_b, (void)beta_b, (void)limit_b;                                                        \
-    down(logits, given, act, w2, s2, z2, b2, out, H, I, E, K, bs, flags);                                      \
+    (void)logits, (void)given, (void)E, (void)alpha_b, (void)beta_b, (void)limit_b;                             \
+    down(act, w2, s2, z2, b2, out, t, H, I, K, bs, flags);                                                     \
   }
 
 GATE_UP(moe_gate_up_f32, float)
