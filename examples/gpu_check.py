@@ -184,6 +184,8 @@ MOE_SAMPLES = {
     "float-f16": dict(dtype=np.float16, dims=(8, 2, 256, 128), bs=0, zp=False, mode="softmax_topk", normalize=0),
     # the layer width of Qwen1.5-MoE (H=2048: two 16-byte loads per lane and row), I with a partial last block
     "int4-wide": dict(dtype=np.float16, dims=(4, 2, 2048, 704), bs=128, zp=True, mode="softmax_topk", normalize=0),
+    # Qwen1.5-MoE-A2.7B's expert layer (I=1408: 11 blocks of 128, which QMoE on CUDA takes as 22 of 64)
+    "int4-qwen15-layer": dict(dtype=np.float16, dims=(4, 2, 2048, 1408), bs=128, zp=True, mode="softmax_topk", normalize=0),
 }
 MOE_TOKENS = (1, 3, 8)  #: token counts each sample runs (decode, ragged, a prefill chunk)
 

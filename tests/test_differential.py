@@ -358,6 +358,8 @@ def _int4_sample(mode: str, h: int, i: int, bs: int, zp: bool, dtype=np.float16,
     ("softmax_topk", 256, 128, 128, False, np.float16, "QMoE", 128),  # symmetric: one block is fine
     ("routed", 256, 128, 64, True, np.float16, "QMoE", 64),           # log(w) as router_probs, times sum(w)
     ("softmax_topk", 128, 64, 64, True, np.float16, "MoE", None),     # 1 block along I with zero points: float
+    ("softmax_topk", 256, 192, 64, True, np.float16, "MoE", None),    # 3 blocks (odd) along I with zero points
+    ("softmax_topk", 256, 384, 128, True, np.float16, "QMoE", 64),    # 3 blocks of 128 along I: 6 of 64
     ("softmax_topk", 256, 128, 64, True, np.float32, "MoE", None),    # QMoE has no float32 CUDA kernel
 ])
 def test_fused_moe_cuda_lowering_takes_the_forms_the_cuda_kernels_compute_right(tmp_path, mode, h, i, bs, zp, dtype, op, block):
