@@ -90,3 +90,26 @@ def test_specialized_claims_no_longer_break_iree_compile(tmp_path):
     got = load_runner(tmp_path / "iree").run({"a": a})["y"]
     want = reference_outputs(path, {"a": a})["y"]
     assert got.shape == (1, 2, 2, 3, 5, 1) and np.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_selections_of_a_partly_known_shape_are_known_where_they_pick_static_dims():
+    """Gather/Slice of Shape(x) with x [1, T, 2]: the static dims evaluate (and what is computed from them, as
+    the Range of Qwen3.5-MoE's rotary ScatterND indices), the symbolic T does not."""
+    from rewrite.core.shape_eval import known_values
+
+    c = lambda n, v: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
+    g = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["s"]),
+         helper.make_node("Gather", ["s", "two"], ["n"], axis=0),
+         helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+         helper.make_node("Gather", ["s", "one"], ["t"], axis=0),
+         helper.make_node("Slice", ["s", "zero1", "two1"], ["head"]),
+         helper.make_node("Slice", ["s", "two1", "three1"], ["tail"]),
+         helper.make_node("Add", ["t", "one"], ["t1"]),
+         helper.make_node("Add", ["n", "one"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [])],
+        [c("two", 2), c("zero", 0), c("one", 1), c("zero1", [0]), c("two1", [2]), c("three1", [3])])
+    known = known_values(onnx_io.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])))
+    assert int(known["n"]) == 2 and known["r"].tolist() == [0, 1] and known["tail"].tolist() == [2]
+    assert "t" not in known and "t1" not in known and "head" not in known

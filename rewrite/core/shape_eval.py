@@ -151,11 +151,17 @@ def _small_int(a) -> bool:
     return a.size <= MAX_ELEMENTS and (np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_)
 
 
+#: ops that only select entries of their first input: evaluated on partly known shapes (see known_values)
+_SELECTIONS = ("Gather", "Slice")
+_UNKNOWN = np.iinfo(np.int64).min  # stands for a run-time dim while a selection runs
+
+
 def known_values(graph: Graph) -> dict[str, np.ndarray]:
     """Values of every small integer/bool tensor computable from constants and static shapes.
 
     Keys are value names produced by nodes (initializers are not repeated). Unknown ops, ops in other
-    domains, and evaluations that raise are skipped (their outputs stay unknown).
+    domains, and evaluations that raise are skipped (their outputs stay unknown). ``Gather`` and ``Slice`` of a
+    shape whose source has symbolic dims are known when they select static dims only (:func:`shape_elements`).
     """
     known: dict[str, np.ndarray] = {}
 
@@ -170,6 +176,7 @@ def known_values(graph: Graph) -> dict[str, np.ndarray]:
     for n in graph.topo_nodes():
         if n.domain not in ("", "ai.onnx") or n.op_type not in EVALUATORS:
             continue
+        partial = False
         if n.op_type == "Shape":
             v = graph.values.get(n.inputs[0])
             if v is None or v.shape is None or not all(isinstance(d, int) for d in v.shape):
@@ -177,6 +184,12 @@ def known_values(graph: Graph) -> dict[str, np.ndarray]:
             ins = [np.asarray(v.shape, np.int64)]
         else:
             ins = [get(i) if i else None for i in n.inputs]
+            if n.op_type in _SELECTIONS and ins[0] is None and all(i is not None for i, name in zip(ins[1:], n.inputs[1:]) if name):
+                # a selection from a partly known shape (Gather(Shape(x), 2) of x [1, s, 2]): run it with the
+                # unknown dims as a marker; a result free of the marker is known
+                elems = shape_elements(graph, n.inputs[0])
+                if elems is not None:
+                    ins[0], partial = np.array([_UNKNOWN if e is None else e for e in elems], np.int64), True
             if any(i is None for i, name in zip(ins, n.inputs) if name):
                 continue
         try:
@@ -184,7 +197,7 @@ def known_values(graph: Graph) -> dict[str, np.ndarray]:
         except (ValueError, TypeError, IndexError, ZeroDivisionError, OverflowError, MemoryError):
             continue
         for name, val in zip(n.outputs, outs):
-            if name and _small_int(val):
+            if name and _small_int(val) and not (partial and (np.asarray(val) == _UNKNOWN).any()):
                 known[name] = np.asarray(val)
     return known
 

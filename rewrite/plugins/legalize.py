@@ -1,4 +1,4 @@
-"""``legalize``: put a model in the form IREE's ONNX importer (torch-mlir) lowers.
+"""``legalize``: put a model in the form IREE's ONNX importer (torch-mlir) lowers and iree-compile compiles.
 
 What it rewrites, each measured against iree-base-compiler 3.13 on the example models:
 
@@ -16,6 +16,17 @@ What it rewrites, each measured against iree-base-compiler 3.13 on the example m
   Gathers them, then Casts to UINT4 because Gather does not take 4-bit data): ``Cast(Cast(x, to=UINT4), to=T)``
   becomes ``Cast(x, to=T)`` when every element of ``x`` is proven to lie in the 4-bit range (it comes from
   initializers through data-movement ops only), so no 4-bit value reaches the importer.
+* **Scatters with no update** (``ScatterND`` / ``ScatterElements`` whose ``updates`` have a static 0 in their
+  shape): the identity on ``data`` (ONNX spec: only the positions ``indices`` name are written, and there are
+  none). iree-compile 3.13 dies with SIGFPE in its AnnotateDispatches pass on the empty ``slice_scatter`` that
+  Qwen3.5-MoE's interleaved rotary sections export to (``updates`` [0, T, 1]); the scatter is replaced by its
+  ``data`` input.
+* **ScatterND writing a run of whole rows** (indices ``[n, 1]`` known before the run: constants, or computed
+  from static dims, e.g. ``Unsqueeze(Slice(Range(0, Gather(Shape(x), 2)), 1, 33, 3))``, naming the consecutive
+  rows ``a .. a+n-1`` of a ``data`` whose first dim is static): ``Concat(data[:a], updates, data[a+n:])`` along
+  axis 0, the same values (ONNX spec, ScatterND with ``reduction="none"``). iree-compile 3.13 fails on
+  Qwen3.5-MoE's rotary ``slice_scatter`` (ScatterND of one row into ``data`` [2, T, 1]) with "LLVM Translation
+  failed for operation: builtin.unrealized_conversion_cast".
 * **Reduce ops with axes as an input** (opset 18; seed item A2, llvm/torch-mlir#4506): importer 3.13
   lowers constant axes (initializer, Constant node, or a constant-foldable chain) for all ten Reduce ops,
   so nothing is rewritten; axes known only at run time cannot be lowered (iree-compile fails on
@@ -32,6 +43,7 @@ from rewrite.core.analysis import REDUCE_OPS, known_before_run, value_range
 from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.pattern import AttrVar, Var
 from rewrite.core.rules import _FLOAT_FORMATS, _INT_RANGES, rule
+from rewrite.core.shape_eval import known_values
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
 
@@ -134,6 +146,78 @@ def _(m, b):
     return b.op("Cast", [m["x"]], to=m.attr("target"), dtype=m.attr("target"), shape=m.value("x").shape)
 
 
+def _empty_scatter_check(m):
+    shape = m.value("updates").shape
+    if shape is None or 0 not in shape:
+        return m.fail(f"updates '{m['updates']}' are not statically empty (shape {shape})", m.node("scatter"))
+
+
+@rule("empty-scatter-nd")
+def empty_scatter_nd(op, data, indices, updates):
+    """ScatterND(data, indices, updates) -> data when ``updates`` has a static 0 in its shape."""
+    return op.ScatterND(data, indices, updates, _name="scatter")
+
+
+@rule("empty-scatter-elements")
+def empty_scatter_elements(op, data, indices, updates):
+    """ScatterElements(data, indices, updates) -> data when ``updates`` has a static 0 in its shape."""
+    return op.ScatterElements(data, indices, updates, _name="scatter")
+
+
+def _scatter_data(m, b):
+    return m["data"]
+
+
+for _scatter in (empty_scatter_nd, empty_scatter_elements):
+    _scatter.check(_empty_scatter_check)
+    _scatter.rewrite(_scatter_data)
+
+
+@rule("scatter-nd-rows")
+def scatter_nd_rows(op, data, indices, updates):
+    """ScatterND(data, indices [n, 1], updates) naming consecutive rows -> Concat(data[:a], updates, data[a+n:])."""
+    return op.ScatterND(data, indices, updates, _name="scatter")
+
+
+def _rows_written(m) -> tuple[int, int, int] | None:
+    """(first row a, row count n, rows of data D) when the match writes rows a .. a+n-1 of D; else None."""
+    scatter = m.node("scatter")
+    if scatter.attr("reduction", "none") not in ("none", b"none"):
+        return None
+    idx = m.graph.const(m["indices"])
+    if idx is None:
+        idx = known_values(m.graph).get(m["indices"])
+    shape = m.value("data").shape
+    if idx is None or idx.ndim != 2 or idx.shape[1] != 1 or idx.shape[0] == 0 or not shape or not isinstance(shape[0], int):
+        return None
+    rows = [int(r) + shape[0] if r < 0 else int(r) for r in idx[:, 0]]
+    if rows != list(range(rows[0], rows[0] + len(rows))) or rows[0] < 0 or rows[-1] >= shape[0]:
+        return None
+    return rows[0], len(rows), shape[0]
+
+
+@scatter_nd_rows.check
+def _(m):
+    if _rows_written(m) is None:
+        return m.fail(f"indices '{m['indices']}' are not a run of consecutive rows known before the run "
+                      f"(or the reduction is not 'none', or the first dim of '{m['data']}' is not static)", m.node("scatter"))
+
+
+@scatter_nd_rows.rewrite
+def _(m, b):
+    a, n, rows = _rows_written(m)
+    dv = m.value("data")
+    parts = []
+    for lo, hi in ((0, a), (a + n, rows)):
+        if hi > lo:
+            part = b.op("Slice", [m["data"], b.const(np.array([lo], np.int64), "lo"), b.const(np.array([hi], np.int64), "hi"),
+                                  b.const(np.array([0], np.int64), "axis")], dtype=dv.dtype, shape=(hi - lo, *dv.shape[1:]))
+            parts.append(part)
+        if lo == 0:
+            parts.append(m["updates"])
+    return b.op("Concat", parts, axis=0, dtype=dv.dtype, shape=dv.shape)
+
+
 def widen_4bit_initializers(graph: Graph) -> list[str]:
     """Re-encode every 4-bit tensor the importer would meet as INT8/UINT8 with the same values: INT4/UINT4
     initializers and the ``value`` tensors of ``Constant`` and ``ConstantOfShape`` nodes; returns the names
@@ -219,7 +303,8 @@ def _clear_4bit_types_below(graph: Graph, value: str) -> None:
 class Legalize(Plugin):
     name = "legalize-iree-import"
     short = "legalize"
-    description = "Rewrite what IREE's ONNX importer rejects: blocked DequantizeLinear, 4-bit initializers"
+    description = ("Rewrite what IREE's importer or compiler rejects: blocked DequantizeLinear, 4-bit initializers, "
+                   "empty scatters, ScatterND of whole rows")
     opset_range = (13, 28)
     # ONNX Runtime reads what this plugin rewrites; decomposing DequantizeLinear there would lose MatMulNBits/QMoE
     backends = ("iree",)
@@ -228,7 +313,7 @@ class Legalize(Plugin):
 
     @property
     def rules(self):
-        return [dequantize_block, exact_4bit_cast]
+        return [dequantize_block, exact_4bit_cast, empty_scatter_nd, empty_scatter_elements, scatter_nd_rows]
 
     @property
     def cases(self):
@@ -275,7 +360,37 @@ class Legalize(Plugin):
             [helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 3, 4]), helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
             helper.make_tensor_value_info("y", TensorProto.FLOAT, None), opset=18,
         )
+        # Qwen3.5-MoE's rotary sections (transformers 5.24 through its exporter): slice_scatter along the last
+        # axis of [1, T, 2] as a ScatterND over the transposed [2, T, 1], indices from Range(0, dim 2) sliced
+        # with step 3; row 1 is written, then the empty slice from row 2 on
+        def rows(start):
+            return [helper.make_node("Slice", ["r", start, "end", "ax0", "step3"], [f"i{start}"]),
+                    helper.make_node("Unsqueeze", [f"i{start}", "ax1"], [f"idx{start}"])]
+        t = helper.make_tensor_value_info
+        slice_scatter = model([
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("Gather", ["shape", "two"], ["n"], axis=0),
+            helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+            *rows("one1"), *rows("two1"),
+            helper.make_node("Transpose", ["x"], ["data"], perm=[2, 1, 0]),
+            helper.make_node("Transpose", ["u"], ["upd"], perm=[2, 1, 0]),
+            helper.make_node("ScatterND", ["data", "idxone1", "upd"], ["s1"], name="row"),
+            helper.make_node("Slice", ["x", "two1", "end", "two1", "step3"], ["empty"]),  # [1, T, 0]
+            helper.make_node("Transpose", ["empty"], ["upd0"], perm=[2, 1, 0]),
+            helper.make_node("ScatterND", ["s1", "idxtwo1", "upd0"], ["s2"], name="empty_rows"),
+            helper.make_node("Transpose", ["s2"], ["y"], perm=[2, 1, 0]),
+        ], [t("x", TensorProto.FLOAT, [1, "T", 2]), t("u", TensorProto.FLOAT, [1, "T", 1])], t("y", TensorProto.FLOAT, [1, "T", 2]),
+            [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("two", 2), ("zero", 0), ("one", 1),
+             ("one1", [1]), ("two1", [2]), ("end", [33]), ("ax0", [0]), ("ax1", [1]), ("step3", [3]))], opset=18)
+        runtime_indices = model(
+            [helper.make_node("ScatterND", ["d", "i", "v"], ["y"], name="scatter")],
+            [t("d", TensorProto.FLOAT, [4, 3]), t("i", TensorProto.INT64, [1, 1]), t("v", TensorProto.FLOAT, [1, 3])],
+            t("y", TensorProto.FLOAT, [4, 3]))
         return [
+            positive("rotary-slice-scatter", slice_scatter, matches={"scatter-nd-rows": 1, "empty-scatter-nd": 1},
+                     feeds=lambda m: {n: np.random.default_rng(2).standard_normal((1, 5, c)).astype(np.float32)
+                                      for n, c in (("x", 2), ("u", 1))}),
+            negative("scatter-nd-indices-at-run-time", runtime_indices),
             positive("seed-form-uint4-blocked-dequantize", seed_form, matches={"dequantize-block": 1, "exact-4bit-cast": 2},
                      feeds=lambda m: {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32), "expert": np.array([2], np.int64)}),
             negative("per-axis-dequantize", per_axis),
