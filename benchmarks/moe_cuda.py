@@ -5,6 +5,7 @@ Two steps, because the GPU machine has no IREE compiler and its weights are made
 
     python benchmarks/moe_cuda.py prepare --out bench_moe            # here: compile the modules
     python benchmarks/moe_cuda.py run bench_moe [--profile]          # on the GPU machine: time them
+    python benchmarks/moe_cuda.py ort [--layers 1,4]                 # on the GPU machine: ONNX Runtime CUDA (QMoE)
 
 ``prepare`` writes, per shape of :data:`SHAPES` and chain length (``--layers``, default 1, 8 and 32), an ONNX graph
 of that many FusedMoE ops in a chain (the output of one is the next one's hidden state; each layer has its own
@@ -44,9 +45,19 @@ def _weights_spec(e: int, h: int, i: int) -> dict[str, tuple[tuple[int, ...], st
             "fc2": ((e, h, i // 2), "uint8"), "s2": ((e, h, nb2), "float16"), "z2": ((e, h, nb2), "uint8")}
 
 
-def build_model(e: int, k: int, h: int, i: int, layers: int = 8):
-    """The chain of ``layers`` FusedMoE (mode softmax_topk, Qwen-style) over inputs hidden [T, H] and logits [T, E]."""
-    from onnx import TensorProto, helper
+def _random_weight(rng, name: str, shape: tuple[int, ...], dt: str) -> np.ndarray:
+    """Codes (two per byte), zero points (0..15) or fp16 scales of one weight of :func:`_weights_spec`."""
+    a = rng.integers(0, 256, shape, dtype=np.uint8) if dt == "uint8" else (rng.uniform(0.5, 1.5, shape) * 0.01).astype(np.float16)
+    if name[0] == "z":
+        a &= 15
+    return a
+
+
+def build_model(e: int, k: int, h: int, i: int, layers: int = 8, rng=None):
+    """The chain of ``layers`` FusedMoE (mode softmax_topk, Qwen-style) over inputs hidden [T, H] and logits [T, E];
+    the weights are graph inputs, or with ``rng`` initializers drawn from it (ONNX Runtime's QMoE lowering needs
+    initializers)."""
+    from onnx import TensorProto, helper, numpy_helper
 
     from rewrite.core.abstract_ops import DOMAIN
 
@@ -54,16 +65,20 @@ def build_model(e: int, k: int, h: int, i: int, layers: int = 8):
     types = {"uint8": TensorProto.UINT8, "float16": TensorProto.FLOAT16}
     inputs = [helper.make_tensor_value_info("hidden", TensorProto.FLOAT16, ["T", h]),
               helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["T", e])]
+    inits = []
     nodes, x = [], "hidden"
     for layer in range(layers):
         names = {n: f"{n}_{layer}" for n in spec}
-        inputs += [helper.make_tensor_value_info(names[n], types[dt], list(shape)) for n, (shape, dt) in spec.items()]
+        if rng is None:
+            inputs += [helper.make_tensor_value_info(names[n], types[dt], list(shape)) for n, (shape, dt) in spec.items()]
+        else:
+            inits += [numpy_helper.from_array(_random_weight(rng, n, shape, dt), names[n]) for n, (shape, dt) in spec.items()]
         y = f"y{layer}" if layer < layers - 1 else "y"
         nodes.append(helper.make_node("FusedMoE", [x, "logits", names["fc1"], names["fc2"], names["s1"], names["z1"],
                                                    names["s2"], names["z2"]], [y], domain=DOMAIN, name=f"moe{layer}",
                                       k=k, normalize=0, mode="softmax_topk", activation="swiglu", block_size=BLOCK))
         x = y
-    g = helper.make_graph(nodes, "moe_chain", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["T", h])],
+    g = helper.make_graph(nodes, "moe_chain", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["T", h])], inits,
                           value_info=[helper.make_tensor_value_info(f"y{n}", TensorProto.FLOAT16, ["T", h]) for n in range(layers - 1)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
     m.ir_version = 10
@@ -144,11 +159,7 @@ def run(bench: Path, profile: bool = False, iree_flags: tuple[str, ...] = ()) ->
         weights = {}
         for layer in range(layers):
             for n, (shape, dt) in _weights_spec(e, h, i).items():
-                a = (rng.integers(0, 256, shape, dtype=np.uint8) if dt == "uint8"
-                     else (rng.uniform(0.5, 1.5, shape) * 0.01).astype(np.float16))
-                if n[0] == "z":
-                    a &= 15
-                weights[f"{n}_{layer}"] = rt.asdevicearray(dev, a)
+                weights[f"{n}_{layer}"] = rt.asdevicearray(dev, _random_weight(rng, n, shape, dt))
         for t in TOKENS:
             hidden = rt.asdevicearray(dev, rng.standard_normal((t, h)).astype(np.float16))
             logits = rt.asdevicearray(dev, rng.standard_normal((t, e)).astype(np.float16))
@@ -170,6 +181,52 @@ def run(bench: Path, profile: bool = False, iree_flags: tuple[str, ...] = ()) ->
     return 0
 
 
+def run_ort(work: Path, layer_counts: list[int]) -> int:
+    """The same chains lowered by ``rewrite apply --backend ort --target cuda`` (QMoE) and timed on ONNX Runtime's
+    CUDA execution provider, on the GPU machine: weights drawn there (initializers), inputs and output bound on the
+    device (IO binding), host wall clock per call as :func:`run`."""
+    import onnx
+    import torch  # noqa: F401  (onnxruntime-gpu finds the CUDA libraries torch loaded)
+
+    from rewrite.backends import load_runner
+    from rewrite.pipeline import apply
+
+    import onnxruntime as ort
+
+    copy_bw = copy_bandwidth()
+    print(f"onnxruntime {ort.__version__}; copy bandwidth: {copy_bw / 1e9:.0f} GB/s (device to device, read + write)")
+    print(f"{'shape':<20} {'layers':>6} {'T':>2} {'us/call':>8} {'us/layer':>9} {'MB/layer':>9} {'GB/s':>7} {'of copy':>8}  op")
+    rng = np.random.default_rng(0)
+    work.mkdir(parents=True, exist_ok=True)
+    for (name, (e, k, h, i)), layers in itertools.product(SHAPES.items(), layer_counts):
+        src = work / f"{name}.L{layers}.onnx"
+        onnx.save(build_model(e, k, h, i, layers, rng=rng), src, save_as_external_data=True, location=src.name + ".data")
+        folder = work / f"{name}.L{layers}.ort"
+        apply(src, folder, backend="ort", target="cuda")
+        sess = load_runner(folder).session
+        ops = sorted({n.op_type for n in onnx.load(folder / "model.onnx", load_external_data=False).graph.node})
+        for t in TOKENS:
+            binding = sess.io_binding()
+            for n, a in (("hidden", rng.standard_normal((t, h))), ("logits", rng.standard_normal((t, e)))):
+                binding.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy(a.astype(np.float16), "cuda", 0))
+            binding.bind_output("y", "cuda", 0)
+            for _ in range(3):
+                sess.run_with_iobinding(binding)
+            t0 = time.perf_counter()
+            for _ in range(ITERS):
+                sess.run_with_iobinding(binding)
+            binding.copy_outputs_to_cpu()
+            per_layer = (time.perf_counter() - t0) / ITERS / layers
+            nbytes = layer_bytes(e, min(t * k, e) if t > 1 else k, h, i)
+            print(f"{name:<20} {layers:>6} {t:>2} {per_layer * layers * 1e6:>8.0f} {per_layer * 1e6:>9.1f} {nbytes / 1e6:>9.2f} "
+                  f"{nbytes / per_layer / 1e9:>7.0f} {nbytes / per_layer / copy_bw:>8.1%}  {'/'.join(ops)}", flush=True)
+        del sess
+        for f in work.glob(f"{name}.L{layers}*"):
+            if f.is_file():
+                f.unlink()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -181,7 +238,12 @@ def main() -> int:
     r.add_argument("--profile", action="store_true", help="also print per-kernel GPU times (torch.profiler)")
     r.add_argument("--iree-flag", action="append", default=[], metavar="FLAG",
                    help="an IREE runtime flag, e.g. --iree-flag=--cuda_use_streams=false (repeatable)")
+    o = sub.add_parser("ort", help="on the GPU machine: the chains lowered for ONNX Runtime CUDA (QMoE) and timed")
+    o.add_argument("--work", type=Path, default=Path("/tmp/bench_moe_ort"))
+    o.add_argument("--layers", default="1,4")
     args = ap.parse_args()
+    if args.cmd == "ort":
+        return run_ort(args.work, [int(n) for n in args.layers.split(",")])
     if args.cmd == "prepare":
         prepare(args.out, [int(n) for n in args.layers.split(",")])
         return 0

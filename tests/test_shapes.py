@@ -95,7 +95,7 @@ def test_specialized_claims_no_longer_break_iree_compile(tmp_path):
 def test_selections_of_a_partly_known_shape_are_known_where_they_pick_static_dims():
     """Gather/Slice of Shape(x) with x [1, T, 2]: the static dims evaluate (and what is computed from them, as
     the Range of Qwen3.5-MoE's rotary ScatterND indices), the symbolic T does not."""
-    from rewrite.core.shape_eval import known_values
+    from rewrite.core.shape_eval import known_value, known_values
 
     c = lambda n, v: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
     g = helper.make_graph(
@@ -110,6 +110,21 @@ def test_selections_of_a_partly_known_shape_are_known_where_they_pick_static_dim
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", 2])],
         [helper.make_tensor_value_info("y", TensorProto.INT64, [])],
         [c("two", 2), c("zero", 0), c("one", 1), c("zero1", [0]), c("two1", [2]), c("three1", [3])])
-    known = known_values(onnx_io.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])))
+    graph = onnx_io.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+    known = known_values(graph)
     assert int(known["n"]) == 2 and known["r"].tolist() == [0, 1] and known["tail"].tolist() == [2]
     assert "t" not in known and "t1" not in known and "head" not in known
+    assert known_value(graph, "r").tolist() == [0, 1] and known_value(graph, "t1") is None
+
+
+def test_a_selection_of_a_shape_cast_to_float_is_not_taken_for_an_integer():
+    """Gather(Cast(Shape(x), to=FLOAT), 2) is a float: the partial-shape evaluation (int64 selections only)
+    leaves it unknown rather than making it an int64."""
+    from rewrite.core.shape_eval import known_values
+
+    g = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Cast", ["s"], ["f"], to=TensorProto.FLOAT),
+         helper.make_node("Gather", ["f", "two"], ["y"], axis=0)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], [numpy_helper.from_array(np.array(2, np.int64), "two")])
+    assert "y" not in known_values(onnx_io.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import onnx
 
 from rewrite.core.ir import Graph, Node
 
@@ -156,8 +157,28 @@ _SELECTIONS = ("Gather", "Slice")
 _UNKNOWN = np.iinfo(np.int64).min  # stands for a run-time dim while a selection runs
 
 
-def known_values(graph: Graph) -> dict[str, np.ndarray]:
-    """Values of every small integer/bool tensor computable from constants and static shapes.
+def known_value(graph: Graph, value: str, *, limit: int = 64) -> np.ndarray | None:
+    """:func:`known_values` for one value, evaluating only the (at most ``limit``) nodes it depends on; None
+    when it is not known (or depends on more nodes)."""
+    c = graph.const(value)
+    if c is not None:
+        return np.asarray(c)
+    seen: dict[int, Node] = {}
+    stack = [value]
+    while stack:
+        node = graph.producer_node(stack.pop())
+        if node is None or node.id in seen:
+            continue
+        if len(seen) == limit:
+            return None
+        seen[node.id] = node
+        stack += [i for i in node.inputs if i and graph.const(i) is None]
+    return known_values(graph, sorted(seen.values(), key=lambda n: n.order)).get(value)
+
+
+def known_values(graph: Graph, nodes: list[Node] | None = None) -> dict[str, np.ndarray]:
+    """Values of every small integer/bool tensor computable from constants and static shapes (of ``nodes``,
+    in a topological order, when given; else of the whole graph).
 
     Keys are value names produced by nodes (initializers are not repeated). Unknown ops, ops in other
     domains, and evaluations that raise are skipped (their outputs stay unknown). ``Gather`` and ``Slice`` of a
@@ -173,7 +194,7 @@ def known_values(graph: Graph) -> dict[str, np.ndarray]:
         c = graph.const(name)
         return c if c is not None and _small_int(c) else None
 
-    for n in graph.topo_nodes():
+    for n in graph.topo_nodes() if nodes is None else nodes:
         if n.domain not in ("", "ai.onnx") or n.op_type not in EVALUATORS:
             continue
         partial = False
@@ -207,7 +228,7 @@ def shape_elements(graph: Graph, value: str, *, depth: int = 8) -> list[int | No
     a run-time size; None when not even the length is known.
 
     Follows constants, ``Shape`` (with ``start``/``end``; dims of the source that are symbolic give None),
-    ``Concat`` on axis 0, and ``Cast``/``Identity``. Exporters spell the same shape as a constant
+    ``Concat`` on axis 0, ``Identity`` and ``Cast`` to INT64. Exporters spell the same shape as a constant
     (``[-1, 4, 128]``) or as ``Concat(Shape(input_ids)[1:2], [4], [128])`` (onnxscript 0.7.0); patterns
     that need only some entries to be known read them here.
     """
@@ -218,8 +239,8 @@ def shape_elements(graph: Graph, value: str, *, depth: int = 8) -> list[int | No
     node = graph.producer_node(value)
     if node is None or depth == 0 or node.domain not in ("", "ai.onnx"):
         return None
-    if node.op_type in ("Cast", "Identity"):
-        return shape_elements(graph, node.inputs[0], depth=depth - 1)
+    if node.op_type == "Identity" or (node.op_type == "Cast" and node.attr("to") == onnx.TensorProto.INT64):
+        return shape_elements(graph, node.inputs[0], depth=depth - 1)  # (a Cast to another type is not a shape)
     if node.op_type == "Shape":
         src = graph.values.get(node.inputs[0])
         if src is None or src.shape is None:

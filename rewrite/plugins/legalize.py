@@ -43,7 +43,7 @@ from rewrite.core.analysis import REDUCE_OPS, known_before_run, value_range
 from rewrite.core.ir import Graph, dtype_name
 from rewrite.core.pattern import AttrVar, Var
 from rewrite.core.rules import _FLOAT_FORMATS, _INT_RANGES, rule
-from rewrite.core.shape_eval import known_values
+from rewrite.core.shape_eval import known_value
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
 
@@ -184,9 +184,7 @@ def _rows_written(m) -> tuple[int, int, int] | None:
     scatter = m.node("scatter")
     if scatter.attr("reduction", "none") not in ("none", b"none"):
         return None
-    idx = m.graph.const(m["indices"])
-    if idx is None:
-        idx = known_values(m.graph).get(m["indices"])
+    idx = known_value(m.graph, m["indices"])
     shape = m.value("data").shape
     if idx is None or idx.ndim != 2 or idx.shape[1] != 1 or idx.shape[0] == 0 or not shape or not isinstance(shape[0], int):
         return None

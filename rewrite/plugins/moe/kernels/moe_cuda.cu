@@ -70,9 +70,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// A float's order as an unsigned key (larger float, larger key); NaN is 0, below every number, -inf included.
+// A float's order as an unsigned key (larger float, larger key; -0 and +0 one key, so they tie as values do);
+// NaN is 0, below every number, -inf included.
 __device__ __forceinline__ unsigned order_key(float v) {
-  unsigned b = __float_as_uint(v);
+  unsigned b = v == 0.f ? 0u : __float_as_uint(v);
   return v != v ? 0u : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 __device__ __forceinline__ float key_value(unsigned k) {
@@ -96,10 +97,14 @@ __device__ void route_logits(const T* __restrict__ logits, int t, int E, int K, 
   }
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float den = 0.f;
+  bool nan = false;
 #pragma unroll
-  for (int m = 0; m < NM; ++m)
+  for (int m = 0; m < NM; ++m) {
     if (key[m]) den += __expf(key_value(key[m]) - mx);
+    nan |= lane + 32 * m < E && !key[m];
+  }
   den = warp_sum(den);
+  if (__any_sync(0xffffffffu, nan)) den = NAN;  // a NaN logit makes the softmax NaN, as the reference's
   unsigned best = 0u;
   int bi = 0x7fffffff;
 #pragma unroll
