@@ -91,6 +91,17 @@ def layer_bytes(e: int, k: int, h: int, i: int) -> int:
     return k * per_expert
 
 
+def _row(name: str, dims: tuple[int, int, int, int], layers: int, t: int, per_call: float, copy_bw: float) -> str:
+    """One line of the tables of :func:`run` and :func:`run_ort`: a call of ``layers`` layers at ``t`` tokens took
+    ``per_call`` seconds; the bytes are those of the distinct experts read (at most E)."""
+    e, k, h, i = dims
+    per_layer = per_call / layers
+    nbytes = layer_bytes(e, min(t * k, e) if t > 1 else k, h, i)
+    bw = nbytes / per_layer
+    return (f"{name:<20} {layers:>6} {t:>2} {per_call * 1e6:>8.0f} {per_layer * 1e6:>9.1f} {nbytes / 1e6:>9.2f} "
+            f"{bw / 1e9:>7.0f} {bw / copy_bw:>8.1%}")
+
+
 def prepare(out: Path, layer_counts: list[int]) -> None:
     import onnx
 
@@ -173,11 +184,7 @@ def run(bench: Path, profile: bool = False, iree_flags: tuple[str, ...] = ()) ->
             per_call = (time.perf_counter() - t0) / ITERS
             if profile:
                 kernel_times(lambda: np.asarray(fn(*args).to_host()), f"{name} L{layers} T{t}")
-            per_layer = per_call / layers
-            nbytes = layer_bytes(e, min(t * k, e) if t > 1 else k, h, i)  # distinct experts read, at most E
-            bw = nbytes / per_layer
-            print(f"{name:<20} {layers:>6} {t:>2} {per_call * 1e6:>8.0f} {per_layer * 1e6:>9.1f} {nbytes / 1e6:>9.2f} "
-                  f"{bw / 1e9:>7.0f} {bw / copy_bw:>8.1%}", flush=True)
+            print(_row(name, (e, k, h, i), layers, t, per_call, copy_bw), flush=True)
     return 0
 
 
@@ -216,10 +223,8 @@ def run_ort(work: Path, layer_counts: list[int]) -> int:
             for _ in range(ITERS):
                 sess.run_with_iobinding(binding)
             binding.copy_outputs_to_cpu()
-            per_layer = (time.perf_counter() - t0) / ITERS / layers
-            nbytes = layer_bytes(e, min(t * k, e) if t > 1 else k, h, i)
-            print(f"{name:<20} {layers:>6} {t:>2} {per_layer * layers * 1e6:>8.0f} {per_layer * 1e6:>9.1f} {nbytes / 1e6:>9.2f} "
-                  f"{nbytes / per_layer / 1e9:>7.0f} {nbytes / per_layer / copy_bw:>8.1%}  {'/'.join(ops)}", flush=True)
+            per_call = (time.perf_counter() - t0) / ITERS
+            print(_row(name, (e, k, h, i), layers, t, per_call, copy_bw) + f"  {'/'.join(ops)}", flush=True)
         del sess
         for f in work.glob(f"{name}.L{layers}*"):
             if f.is_file():
