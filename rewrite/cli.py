@@ -179,10 +179,13 @@ def _names(names: list[str], shown: int = 6) -> str:
 @click.option("--stateful", is_flag=True, help="iree: keep the KV cache in the compiled module (one util.global); the function takes ids and position.")
 @click.option("--freeze-inputs", is_flag=True, help="Make graph inputs that have an initializer default constants (they leave the interface; plugins may fold them).")
 @click.option("--cuda-sm", default=None, metavar="SM", help="iree --target cuda: the SM to compile for, e.g. sm_90 (default sm_80, whose PTX runs on sm_80 and later).")
+@click.option("--module-from", type=click.Path(file_okay=False, exists=True), default=None, metavar="FOLDER",
+              help="iree: take the compiled module from FOLDER, an output folder of the same apply on another machine, "
+                   "and write only the weights here (no IREE compiler needed).")
 @click.option("--quiet", is_flag=True, help="No progress bars and no stage table (for scripts); the report table and errors stay.")
 @click.option("--stages", "stages_path", type=click.Path(dir_okay=False), help="Write each stage's time and memory (load, shapes, each plugin, save, import, compile) as JSON.")
 def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful, freeze_inputs, cuda_sm,
-              quiet, stages_path) -> None:
+              module_from, quiet, stages_path) -> None:
     """Rewrite MODEL with --plugins and lower it for --backend into OUT."""
     from rewrite.core.stages import Listener, recording
 
@@ -190,11 +193,11 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
     bars = contextlib.nullcontext(Listener()) if quiet or not sys.stderr.isatty() else _ProgressBars()
     with bars as listener, recording(listener) as rec:
         _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful,
-               freeze_inputs, cuda_sm, rec, quiet, stages_path)
+               freeze_inputs, cuda_sm, module_from, rec, quiet, stages_path)
 
 
 def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful,
-           freeze_inputs, cuda_sm, rec, quiet, stages_path) -> None:
+           freeze_inputs, cuda_sm, module_from, rec, quiet, stages_path) -> None:
     from rewrite.explain import parse_expect, preview, shortfalls
     from rewrite.pipeline import apply
 
@@ -211,6 +214,10 @@ def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_pat
         if backend != "iree":
             raise click.UsageError("--stateful needs --backend iree")
         options["stateful"] = True
+    if module_from is not None:
+        if backend != "iree":
+            raise click.UsageError("--module-from needs --backend iree")
+        options["module_from"] = module_from
     if dry_run:
         report = [r.to_json() for r in preview(model, plugin_names, dims=_parse_dims(dims), backend=backend, options=options,
                                                freeze_inputs=freeze_inputs)]

@@ -65,7 +65,7 @@ def check_output_folder(out_dir: Path, model_path: Path) -> None:
 
 
 #: option keys read by the backends; every other key names a plugin whose options it holds
-BACKEND_OPTIONS = frozenset({"stateful", "param_threshold", "ort_matmul_nbits", "cuda_sm"})
+BACKEND_OPTIONS = frozenset({"stateful", "param_threshold", "ort_matmul_nbits", "cuda_sm", "module_from"})
 
 
 def check_options(options: dict, plugins: list[Plugin]) -> None:

@@ -6,7 +6,8 @@ Between import and compile the module is held through the MLIR bindings (:mod:`r
 abstract ops' lowerings are patched in (:mod:`rewrite.backends.iree_patch`), ``--stateful`` moves the KV cache
 into module state (:mod:`rewrite.backends.iree_stateful`), and the module is verified before it is written.
 Those modules import the compiler package and are imported only here, when lowering: running a folder needs
-``iree-base-runtime`` alone.
+``iree-base-runtime`` alone, and so does writing one with ``--module-from`` (a module compiled on another machine
+from the same rewritten graph, :mod:`rewrite.backends.iree_prebuilt`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import onnx
 from onnx import numpy_helper
 
 from rewrite.backends.base import Manifest, check_feeds
+from rewrite.backends.iree_prebuilt import graph_digest, reuse_module, write_params_index
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io, spill
 from rewrite.core.abstract_ops import DOMAIN
@@ -172,17 +174,26 @@ class IreeBackend:
         model = onnx_io.to_model(graph)
         manifest.inputs = [s.to_json() for s in input_specs(model)]  # the entry function's arguments
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
+        threshold = int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD))
+        if options.get("module_from"):
+            spans, params_path = reuse_module(onnx_path, folder, manifest, Path(options["module_from"]),
+                                              stateful=bool(options.get("stateful")), cuda_sm=options.get("cuda_sm"))
+            if spans:
+                share_params(onnx_path, params_path, spans)
+            return
+        digest = graph_digest(onnx_path, threshold)  # before share_params points the initializers at the .irpa
         import_path = _import_model(onnx_path, graph)
         try:
             res = import_onnx(
                 import_path,
                 folder / "model.mlir",
                 params_path=folder / "model.irpa",
-                param_threshold_elements=int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD)),
+                param_threshold_elements=threshold,
             )
         finally:
             if import_path != onnx_path:
                 import_path.unlink(missing_ok=True)
+        manifest.files["param_index"] = write_params_index(folder, res.param_keys, threshold, digest)
         if res.param_spans:
             share_params(onnx_path, res.params_path, res.param_spans)
         from rewrite.backends.iree_patch import patch_module, unlowered_ops

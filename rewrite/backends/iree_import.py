@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     tool = importlib.import_module("iree.compiler.tools.import_onnx.__main__")  # the importer's own steps
     argv = list(sys.argv[1:] if argv is None else argv)
     spans_path = None
-    if "--param-spans-to" in argv:  # ours: where each initializer's bytes landed in the .irpa (JSON)
+    if "--param-spans-to" in argv:  # ours: each initializer's parameter key and where its bytes landed (JSON)
         k = argv.index("--param-spans-to")
         spans_path = argv[k + 1]
         del argv[k:k + 2]
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         spans = save_params(imp.globals, imp._gi.initializer_map, param_data.data_dir, param_data.param_path)
         if spans_path is not None:
             with open(spans_path, "w") as f:
-                json.dump(spans, f)
+                json.dump({"spans": spans, "keys": [list(p) for p in imp.globals]}, f)
     return 0
 
 

@@ -88,6 +88,8 @@ class ImportResult:
         stderr: The importer's stderr (warnings such as "node without a valid type proto").
         param_spans: initializer name -> (offset, length) of its raw bytes in ``params_path`` (see
             :func:`rewrite.backends.iree_import.save_params`); empty without parameters.
+        param_keys: (initializer name, parameter key) of every externalized initializer, in the order the
+            importer created them; the compiled module looks each one up by its key in ``params_path``.
     """
 
     mlir_path: Path
@@ -95,6 +97,7 @@ class ImportResult:
     entry_function: str
     stderr: str
     param_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    param_keys: list[tuple[str, str]] = field(default_factory=list)
 
 
 def import_onnx(
@@ -171,13 +174,15 @@ def import_onnx(
         entry = entry_function_name(mlir_path.read_text())
     except ValueError as e:
         raise IreeImportError(f"IREE ONNX import of {onnx_path}: {e}") from None
-    spans = {}
+    spans, keys = {}, []
     if params_path is not None:
         spans_file = Path(str(params_path) + ".spans.json")
         if spans_file.exists():
-            spans = {k: (int(o), int(n)) for k, (o, n) in json.loads(spans_file.read_text()).items()}
+            written = json.loads(spans_file.read_text())
+            spans = {k: (int(o), int(n)) for k, (o, n) in written["spans"].items()}
+            keys = [(name, key) for name, key in written["keys"]]
             spans_file.unlink()
-    return ImportResult(mlir_path, params_path, entry, proc.stderr, spans)
+    return ImportResult(mlir_path, params_path, entry, proc.stderr, spans, keys)
 
 
 def _large_model_copy(onnx_path: Path, max_elements: int) -> Path | None:

@@ -266,7 +266,8 @@ def to_model(g: Graph, *, skeleton_bytes: int | None = None) -> onnx.ModelProto:
                 gp.value_info.append(vi)
     # types learned by inference or set by rules, for values the source had no value_info for
     outs = set(g.outputs)
-    for name in sorted(written - seen - outs, key=lambda x: (g.nodes[g.producer[x][0]].order, g.producer[x][1])):  # not set order
+    # not set order: nodes a rule inserts may share an order number, so the name breaks ties (a byte-identical file)
+    for name in sorted(written - seen - outs, key=lambda x: (g.nodes[g.producer[x][0]].order, g.producer[x][1], x)):
         vi = g.values[name].to_value_info()
         if vi is not None and g.values[name].info is None:
             gp.value_info.append(vi)

@@ -1,0 +1,423 @@
+"""Full-size decode on a GPU: the seeds' INT4 models through IREE with and without the fusing plugins, ONNX Runtime
+CUDA with our lowering and PyTorch eager, side by side in one run, against the copy bandwidth measured in it.
+
+Two steps, because the GPU machine has no IREE compiler and full-size weights are never carried:
+
+    python benchmarks/decode_full.py prepare --arch qwen2_moe --out fd_q15     # here: export, apply, compile
+    python benchmarks/decode_full.py run fd_q15 --work /tmp/fd                  # on the GPU machine
+
+``prepare`` exports the seed form at full size (``examples/seed_form.py``: Qwen1.5-MoE-A2.7B or Qwen3-30B-A3B, INT4
+experts, fp16, static KV cache of ``--max-seq`` positions, weights drawn from a seed) and applies each IREE
+configuration of :data:`CONFIGS` with ``--backend iree --target cuda --stateful``. The bundle holds the weightless
+graph (``seed/model.onnx``, a few MB) and each compiled folder without its weights (``model.vmfb``, ``params.json``,
+manifest): tens of MB.
+
+``run`` (``iree-base-runtime``; ``onnxruntime-gpu`` for ``ort``; torch and transformers for ``torch``) regenerates
+the seed form's weights from the seed (``examples/seeded_weights.py``), then per configuration applies the same
+plugins there (IREE: ``--module-from`` the bundle's compiled folder, which checks that the rewritten graph is the
+same and writes only the ``.irpa``), loads the folder and measures:
+
+* prefill: one call on a ``PROMPT_LEN``-token prompt (seeded random ids), after a warm-up generation;
+* decode: ``DECODE_STEPS`` greedy steps of one token, each a call with its logits read back to the host and an
+  argmax there, as ``rewrite generate`` does; tok/s over the steps;
+* tokens: ``CHECK_TOKENS`` greedy tokens after the prompt's first ``CHECK_PROMPT`` tokens, against ONNX Runtime CPU
+  on the quantized model (``--plugins quant4`` only, the model every configuration computes; its seed-form experts
+  are gathered then dequantized per token, so a 128-token prefill would take minutes there);
+* the per-kernel GPU time of ``PROFILE_STEPS`` more decode steps (:func:`kernel_profile`).
+
+ONNX Runtime CUDA keeps its KV cache on the device between steps (IO binding: each step's presents are the next
+step's pasts); without that every step would copy the whole cache to the host and back. PyTorch eager is
+transformers' model class of the same configuration with random bf16 weights (its default experts implementation)
+and its own dynamic cache; its tokens are not compared (other weights). Each configuration's folder is deleted
+after it is measured (the GPU machine's disk holds the seed form and one folder at a time). Results go to
+``WORK/results/*.json``, one per configuration, and a configuration already there is skipped, so a run that stopped
+continues where it was.
+
+Bytes per decode token (the speed-of-light traffic, :func:`decode_bytes`): every weight read once per token except
+that only the ``top_k`` selected experts' weights are read and one embedding row; the KV cache read up to the
+positions used. The fraction reached is bytes per token x tok/s over the copy bandwidth measured in the same run
+(``torch`` device-to-device copy of 1 GiB, bytes read + written, CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+PROMPT_LEN = 128
+DECODE_STEPS = 64
+CHECK_PROMPT = 16  #: prompt tokens of the token check (the reference's gather-then-dequantize experts cost ~T x k)
+CHECK_TOKENS = 8
+MAX_SEQ = 256
+#: name -> (backend, plugins). "iree-plain": only what IREE needs to compile the quantized model at all (INT4
+#: dense weights, legal ops, static shapes, static cache); the MoE block and router are IREE's own lowering.
+CONFIGS = {
+    "iree": ("iree", "quant4,cast,legalize,expand,kv,topk,moe"),
+    "iree-plain": ("iree", "quant4,cast,legalize,expand,kv"),
+    "ort": ("ort", "quant4,cast,kv,topk,moe"),
+}
+REFERENCE_PLUGINS = "quant4"
+_ORT_TARGET = {"cuda": "cuda", "llvm-cpu": "cpu"}  #: the ort target beside an iree one
+COMPILED_FILES = ("manifest.json", "params.json", "model.vmfb", "compile.log")
+
+
+def _rewrite(*args: str) -> None:
+    cmd = [sys.executable, "-c", "from rewrite.cli import main; main()", *args, "--quiet"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"rewrite {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(f"  rewrite {args[0]} {args[-1]}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def prepare(arch: str, out: Path, work: Path, max_seq: int, reference: bool = False, *, layers: int | None = None,
+            target: str = "cuda", configs: list[str] | None = None) -> None:
+    """Export the full-size seed form into ``work/seed`` (unless there); with ``reference``, decode the reference
+    tokens here (ONNX Runtime CPU: the weights are the same on any machine; ``reference.json`` in the bundle, which
+    ``run`` then takes instead of decoding them); compile each IREE configuration of ``configs`` (default: all)
+    in ``work/<name>``, copy what runs into the bundle ``out`` and delete the folder (a configuration already in
+    the bundle is skipped)."""
+    import seed_form
+
+    seed = work / "seed" / "model.onnx"
+    if not seed.exists():
+        t0 = time.perf_counter()
+        seed_form.export_seeded(arch, seed.parent, **_sizes(arch, max_seq, layers))
+        print(f"  export {arch}: {time.perf_counter() - t0:.0f} s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "seed").mkdir(exist_ok=True)
+    shutil.copyfile(seed, out / "seed" / "model.onnx")
+    (out / "bundle.json").write_text(json.dumps({"arch": arch, "max_seq": max_seq, "layers": layers, "target": target,
+                                                "configs": CONFIGS}, indent=1) + "\n")
+    if reference and not (out / "reference.json").exists():
+        run(out, work, ["reference"], None)
+        shutil.copyfile(work / "results" / "reference.json", out / "reference.json")
+    for name in configs or [n for n, (backend, _) in CONFIGS.items() if backend == "iree"]:
+        backend, plugins = CONFIGS[name]
+        dst = out / name
+        if backend != "iree" or (dst / "model.vmfb").exists():
+            continue
+        folder = work / name
+        _rewrite("apply", str(seed), "--plugins", plugins, "--max-seq", str(max_seq), "--backend", "iree",
+                 "--target", target, "--stateful", "-o", str(folder))
+        dst.mkdir(exist_ok=True)
+        for f in COMPILED_FILES:
+            shutil.copyfile(folder / f, dst / f)
+        shutil.rmtree(folder)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
+
+
+def _sizes(arch: str, max_seq: int, layers: int | None) -> dict:
+    """The seed form's full-size config of ``arch`` with ``max_seq`` cache positions (and ``layers`` decoder layers,
+    a smaller model of the real layer shapes, when given)."""
+    import seed_form
+
+    return {**seed_form.FULL[arch], "max_seq": max_seq, **({"layers": layers} if layers else {})}
+
+
+def decode_bytes(cfg, positions: int) -> dict[str, float]:
+    """Bytes one decode token must read at ``positions`` cached positions, by part, for the seed form after
+    ``quant4`` (dense weights INT4 block 128 with fp16 scales and 4-bit zero points; LM head, router and embedding
+    in fp16, as quant4 leaves them): attention projections, shared expert, the ``top_k`` routed experts, router,
+    LM head, one embedding row, and the K and V cache rows of every layer."""
+    h, layers, item = cfg.hidden, cfg.layers, 2
+    int4 = 0.5 + (item + 0.5) / cfg.block_size  # code + scale + zero point per weight
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    attention = layers * (h * q + 2 * h * kv + q * h) * int4
+    shared = layers * (3 * h * cfg.shared_intermediate * int4 + h * item) if cfg.shared_intermediate else 0
+    routed = layers * cfg.top_k * 3 * h * cfg.moe_intermediate * int4
+    parts = {"attention": attention, "shared expert": shared, "routed experts": routed,
+             "router": layers * cfg.experts * h * item, "lm head": cfg.vocab * h * item, "embedding": h * item,
+             "kv cache": layers * 2 * kv * positions * item}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + written) of a 1 GiB buffer, median of 20 CUDA-event timed
+    copies."""
+    import torch
+
+    n = 1 << 30
+    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(22):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / float(np.median(times[2:]))
+
+
+def _timed_generate(step, prompt: list[int], steps: int) -> dict:
+    """Prefill ``prompt`` in one ``step`` call, then ``steps`` greedy one-token calls; ``step(ids [1, n]) ->
+    logits [1, n, vocab]`` (host). Returns tokens and wall times."""
+    t0 = time.perf_counter()
+    logits = step(np.array([prompt], np.int64))
+    tokens = [int(np.argmax(logits[0, -1]))]
+    t1 = time.perf_counter()
+    for _ in range(steps - 1):
+        logits = step(np.array([[tokens[-1]]], np.int64))
+        tokens.append(int(np.argmax(logits[0, -1])))
+    t2 = time.perf_counter()
+    return {"tokens": tokens, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+            "prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": (steps - 1) / (t2 - t1)}
+
+
+PROFILE_STEPS = 8
+
+
+def kernel_profile(step, token: int, steps: int = PROFILE_STEPS) -> list[dict]:
+    """GPU time per decode token of each kernel that ``steps`` more one-token ``step`` calls launch, from CUPTI
+    through ``torch.profiler`` (it sees every CUDA context of the process: IREE's and ONNX Runtime's kernels too),
+    largest first: ``{"kernel", "us_per_token", "launches_per_token"}``; empty when the profiler fails."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                logits = step(np.array([[token]], np.int64))
+                token = int(np.argmax(logits[0, -1]))
+        rows = [{"kernel": e.key, "us_per_token": e.device_time_total / steps, "launches_per_token": e.count / steps}
+                for e in prof.key_averages() if e.device_time_total > 0]
+    except Exception as e:  # a profiler that cannot attach must not cost the run's other numbers
+        print(f"  profile failed: {type(e).__name__}: {e}", flush=True)
+        return []
+    return sorted(rows, key=lambda r: -r["us_per_token"])
+
+
+def _measure(step, reset, prompt: list[int], profile: bool) -> dict:
+    """The token check (``CHECK_TOKENS`` after ``prompt[:CHECK_PROMPT]``; also the warm-up: first calls load
+    kernels and allocate), ``reset()``, the timed generation on ``prompt``, then the kernel profile."""
+    check = _timed_generate(step, prompt[:CHECK_PROMPT], CHECK_TOKENS)
+    reset()
+    res = _timed_generate(step, prompt, DECODE_STEPS)
+    res["check_tokens"] = check["tokens"]
+    if profile:
+        res["profile"] = kernel_profile(step, res["tokens"][-1])
+    return res
+
+
+def _measure_folder(folder: Path, prompt: list[int], profile: bool = True) -> dict:
+    from rewrite.generate import Generator
+
+    gen = Generator(folder, low_memory=False)
+    return _measure(gen.step, gen.reset, prompt, profile)
+
+
+def _measure_ort(folder: Path, prompt: list[int], device: str = "cuda") -> dict:
+    """ONNX Runtime on the folder's model with the KV cache kept on ``device`` ("cuda": the CUDA execution provider;
+    "cpu": the CPU one) between steps (IO binding)."""
+    import onnxruntime as ort
+
+    from rewrite.backends.base import Manifest
+    from rewrite.backends.ort import PROVIDERS, ort_session
+
+    m = Manifest.read(folder)
+    iface = m.decoder_interface
+    session = ort_session(folder / m.model, optimize=m.session.get("optimize", "all"), config=m.session.get("config"),
+                          providers=PROVIDERS[device])
+    specs = {i.name: i for i in session.get_inputs()}
+    pairs = [(p.past, p.present) for p in iface.pairs]
+    np_type = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+
+    def fresh():
+        return {p: ort.OrtValue.ortvalue_from_numpy(np.zeros(specs[p].shape, np_type[specs[p].type]), device, 0)
+                for p, _ in pairs}
+
+    state = {"past": fresh(), "position": 0}
+
+    def step(ids: np.ndarray) -> np.ndarray:
+        b = session.io_binding()
+        b.bind_cpu_input(iface.input_ids, ids)
+        b.bind_cpu_input(iface.seq_position, np.array([state["position"]], np.int64))
+        for p, _ in pairs:
+            b.bind_ortvalue_input(p, state["past"][p])
+        b.bind_output(iface.logits, "cpu")
+        for _, o in pairs:
+            b.bind_output(o, device, 0)
+        session.run_with_iobinding(b)
+        outs = dict(zip([o.name for o in session.get_outputs()], b.get_outputs()))
+        state["past"] = {p: outs[o] for p, o in pairs}
+        state["position"] += ids.shape[1]
+        return outs[iface.logits].numpy()
+
+    return _measure(step, lambda: state.update(past=fresh(), position=0), prompt, device == "cuda")
+
+
+def _measure_torch(arch: str, prompt: list[int], max_seq: int, layers: int | None) -> dict:
+    """transformers' model of ``arch`` at the seed form's full configuration, random bf16 weights, eager, its
+    default experts implementation and dynamic cache."""
+    import torch
+    import transformers
+
+    import seed_form
+
+    c = seed_form.seed_config("fp16", arch, **_sizes(arch, max_seq, layers))
+    common = dict(hidden_size=c.hidden, num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                  num_key_value_heads=c.kv_heads, head_dim=c.head_dim, num_experts=c.experts,
+                  num_experts_per_tok=c.top_k, moe_intermediate_size=c.moe_intermediate, vocab_size=c.vocab,
+                  max_position_embeddings=max(max_seq, 4096), norm_topk_prob=c.norm_topk)
+    if arch == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=c.shared_intermediate,
+                                             intermediate_size=c.shared_intermediate, **common)
+        cls = transformers.Qwen2MoeForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(intermediate_size=6144, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: Qwen3-30B-A3B in fp32 would not fit
+    with torch.device("cuda"):
+        model = cls(config).eval()
+    torch.set_default_dtype(torch.float32)
+    cache = {}
+
+    @torch.inference_mode()
+    def step(ids: np.ndarray) -> np.ndarray:
+        out = model(input_ids=torch.from_numpy(ids).cuda(), past_key_values=cache.get("pkv"), use_cache=True)
+        cache["pkv"] = out.past_key_values
+        return out.logits[:, -1:].float().cpu().numpy()
+
+    res = _measure(step, cache.clear, prompt, True)
+    res["transformers"] = transformers.__version__
+    del model
+    torch.cuda.empty_cache()
+    return res
+
+
+def run(bundle: Path, work: Path, configs: list[str], threads: int | None) -> int:
+    import seed_form
+    import seeded_weights
+
+    if {"ort", "torch", "bandwidth"} & set(configs):
+        import torch  # noqa: F401  (before onnxruntime: its CUDA execution provider loads torch's CUDA libraries)
+    info = json.loads((bundle / "bundle.json").read_text())
+    arch, max_seq, layers, target = info["arch"], info["max_seq"], info.get("layers"), info.get("target", "cuda")
+    cfg = seed_form.seed_config("fp16", arch, **_sizes(arch, max_seq, layers))
+    results = work / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    seed = work / "seed" / "model.onnx"
+    if not (seed.parent / "model.onnx.data").exists():
+        seed.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(bundle / "seed" / "model.onnx", seed)
+        t0 = time.perf_counter()
+        seeded_weights.regenerate(seed, threads=threads)
+        print(f"  regenerated the seed form's weights: {time.perf_counter() - t0:.0f} s", flush=True)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab, PROMPT_LEN).tolist()
+    if (bundle / "reference.json").exists() and not (results / "reference.json").exists():
+        shutil.copyfile(bundle / "reference.json", results / "reference.json")  # computed by prepare --reference
+    for name in configs:
+        out = results / f"{name}.json"
+        if out.exists():
+            continue
+        t0 = time.perf_counter()
+        folder = work / f"{name}.measured"  # (not work / name: prepare's compiled folder when both share work)
+        shutil.rmtree(folder, ignore_errors=True)
+        if name == "reference":
+            _rewrite("apply", str(seed), "--plugins", REFERENCE_PLUGINS, "--backend", "ort", "-o", str(folder))
+            from rewrite.generate import Generator
+
+            gen = Generator.reference(folder / "model.onnx")
+            res = _timed_generate(gen.step, prompt[:CHECK_PROMPT], CHECK_TOKENS)
+            res["check_tokens"] = res["tokens"]
+            res["host"] = f"{platform.node()}, {os.cpu_count()} cores"
+        elif name == "torch":
+            res = _measure_torch(arch, prompt, max_seq, layers)
+        elif name == "bandwidth":
+            res = {"copy_bytes_per_s": copy_bandwidth()}
+        else:
+            backend, plugins = CONFIGS[name]
+            args = ["apply", str(seed), "--plugins", plugins, "--max-seq", str(max_seq), "--backend", backend,
+                    "--target", target if backend == "iree" else _ORT_TARGET[target]]
+            if backend == "iree":
+                args += ["--stateful", "--module-from", str(bundle / name)]
+            _rewrite(*args, "-o", str(folder))
+            res = (_measure_ort(folder, prompt, _ORT_TARGET[target]) if backend == "ort"
+                   else _measure_folder(folder, prompt, profile=target == "cuda"))
+        shutil.rmtree(folder, ignore_errors=True)
+        res["wall_s"] = time.perf_counter() - t0
+        out.write_text(json.dumps(res) + "\n")
+        print(f"  {name}: {json.dumps({k: v for k, v in res.items() if k not in ('tokens', 'profile')})}", flush=True)
+        for row in res.get("profile", [])[:12]:
+            print(f"    {row['us_per_token']:9.1f} us/token {row['launches_per_token']:6.1f}x  {row['kernel'][:100]}")
+    return report(work, cfg)
+
+
+def report(work: Path, cfg) -> int:
+    """Print the table of ``work/results``; exit status 1 when a configuration with the fusing plugins gives other
+    check tokens than the reference."""
+    res = {p.stem: json.loads(p.read_text()) for p in (work / "results").glob("*.json")}
+    ref = res.get("reference", {}).get("check_tokens")
+    bw = res.get("bandwidth", {}).get("copy_bytes_per_s")
+    nbytes = decode_bytes(cfg, PROMPT_LEN + DECODE_STEPS // 2)["total"]
+    if bw:
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {nbytes / 1e9:.2f} GB per decode token: speed of light "
+              f"{bw / nbytes:.0f} tok/s")
+    print(f"{'config':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'of light':>9}  tokens vs ONNX Runtime CPU")
+    status = 0
+    for name in ("iree", "iree-plain", "ort", "torch"):
+        r = res.get(name)
+        if r is None:
+            continue
+        light = f"{r['decode_tok_s'] * nbytes / bw:9.1%}" if bw else f"{'':9}"
+        if name == "torch":
+            check = "not compared (other weights)"
+        elif ref is None:
+            check = "no reference"
+        else:
+            same = r["check_tokens"] == ref
+            first = next((i for i, (a, b) in enumerate(zip(r["check_tokens"], ref)) if a != b), None)
+            check = "equal" if same else f"differ from token {first}"
+            if not same and name != "iree-plain":
+                status = 1
+        print(f"{name:<12} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {light}  {check}")
+    return status
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="here: export the full-size seed form, compile the IREE folders, write the bundle")
+    p.add_argument("--arch", choices=("qwen2_moe", "qwen3_moe"), default="qwen2_moe")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work", type=Path, default=None, help="where the seed form and compiled folders go (default OUT.work)")
+    p.add_argument("--max-seq", type=int, default=MAX_SEQ)
+    p.add_argument("--reference", action="store_true", help="also decode the reference tokens here (ONNX Runtime CPU)")
+    p.add_argument("--layers", type=int, default=None, help="this many decoder layers of the real shapes (a smaller model)")
+    p.add_argument("--configs", default=None, help="comma list of the IREE configurations to compile (default: all)")
+    p.add_argument("--target", choices=("cuda", "llvm-cpu"), default="cuda",
+                   help="llvm-cpu: the same steps on this machine's CPU (a check of the flow, no GPU numbers)")
+    r = sub.add_parser("run", help="on the GPU machine: regenerate the weights, apply, measure")
+    r.add_argument("bundle", type=Path)
+    r.add_argument("--work", type=Path, required=True)
+    r.add_argument("--configs", default="bandwidth,reference,iree,ort,torch,iree-plain",
+                   help="comma list of bandwidth, reference, iree, iree-plain, ort, torch (in this order by default)")
+    r.add_argument("--threads", type=int, default=None, help="threads regenerating the weights (default: every core)")
+    args = ap.parse_args()
+    if args.cmd == "prepare":
+        prepare(args.arch, args.out, args.work or args.out.with_suffix(".work"), args.max_seq, args.reference,
+                layers=args.layers, target=args.target, configs=args.configs.split(",") if args.configs else None)
+        return 0
+    return run(args.bundle, args.work, args.configs.split(","), args.threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
