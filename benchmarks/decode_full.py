@@ -17,13 +17,17 @@ the seed form's weights from the seed (``examples/seeded_weights.py``), then per
 plugins there (IREE: ``--module-from`` the bundle's compiled folder, which checks that the rewritten graph is the
 same and writes only the ``.irpa``), loads the folder and measures:
 
-* prefill: one call on a ``PROMPT_LEN``-token prompt (seeded random ids), after a warm-up generation;
+* prefill: one call on a ``PROMPT_LEN``-token prompt (seeded random ids; one call per token for a module compiled
+  for one token per call), after the token check below has warmed the runtime up;
 * decode: ``DECODE_STEPS`` greedy steps of one token, each a call with its logits read back to the host and an
   argmax there, as ``rewrite generate`` does; tok/s over the steps;
 * tokens: ``CHECK_TOKENS`` greedy tokens after the prompt's first ``CHECK_PROMPT`` tokens, against ONNX Runtime CPU
   on the quantized model (``--plugins quant4`` only, the model every configuration computes; its seed-form experts
-  are gathered then dequantized per token, so a 128-token prefill would take minutes there);
-* the per-kernel GPU time of ``PROFILE_STEPS`` more decode steps (:func:`kernel_profile`).
+  are gathered then dequantized per token, so a 128-token prefill would take minutes there), and the teacher-forced
+  logits of those steps against the reference's (:func:`compare_logits`);
+* the per-kernel GPU time of ``PROFILE_STEPS`` more decode steps (:func:`kernel_profile`); the table's "GPU us/token"
+  is their sum and "launches" their count per token: the rest of a step's wall time is the host's (launches,
+  the runtime's bookkeeping, the logits' copy and argmax).
 
 ONNX Runtime CUDA keeps its KV cache on the device between steps (IO binding: each step's presents are the next
 step's pasts); without that every step would copy the whole cache to the host and back. PyTorch eager is
@@ -43,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -62,12 +65,15 @@ DECODE_STEPS = 64
 CHECK_PROMPT = 16  #: prompt tokens of the token check (the reference's gather-then-dequantize experts cost ~T x k)
 CHECK_TOKENS = 8
 MAX_SEQ = 256
-#: name -> (backend, plugins). "iree-plain": only what IREE needs to compile the quantized model at all (INT4
-#: dense weights, legal ops, static shapes, static cache); the MoE block and router are IREE's own lowering.
+#: name -> (backend, plugins, more apply arguments). "iree-plain": only what IREE needs to compile the quantized model
+#: at all (INT4 dense weights, legal ops, static shapes, static cache); the MoE block and router are IREE's own
+#: lowering. "iree-t1": the fused model compiled for one token per call (``--dim seq_len=1``: static shapes let IREE
+#: pick its matrix-vector code for the dense MatMuls); its prefill is one call per prompt token.
 CONFIGS = {
-    "iree": ("iree", "quant4,cast,legalize,expand,kv,topk,moe"),
-    "iree-plain": ("iree", "quant4,cast,legalize,expand,kv"),
-    "ort": ("ort", "quant4,cast,kv,topk,moe"),
+    "iree": ("iree", "quant4,cast,legalize,expand,kv,topk,moe", ()),
+    "iree-t1": ("iree", "quant4,cast,legalize,expand,kv,topk,moe", ("--dim", "seq_len=1")),
+    "iree-plain": ("iree", "quant4,cast,legalize,expand,kv", ()),
+    "ort": ("ort", "quant4,cast,kv,topk,moe", ()),
 }
 REFERENCE_PLUGINS = "quant4"
 _ORT_TARGET = {"cuda": "cuda", "llvm-cpu": "cpu"}  #: the ort target beside an iree one
@@ -104,15 +110,16 @@ def prepare(arch: str, out: Path, work: Path, max_seq: int, reference: bool = Fa
                                                 "configs": CONFIGS}, indent=1) + "\n")
     if reference and not (out / "reference.json").exists():
         run(out, work, ["reference"], None)
-        shutil.copyfile(work / "results" / "reference.json", out / "reference.json")
-    for name in configs or [n for n, (backend, _) in CONFIGS.items() if backend == "iree"]:
-        backend, plugins = CONFIGS[name]
+        for f in ("reference.json", "reference_logits.npy"):
+            shutil.copyfile(work / "results" / f, out / f)
+    for name in configs or [n for n, (backend, _, _) in CONFIGS.items() if backend == "iree"]:
+        backend, plugins, more = CONFIGS[name]
         dst = out / name
         if backend != "iree" or (dst / "model.vmfb").exists():
             continue
         folder = work / name
         _rewrite("apply", str(seed), "--plugins", plugins, "--max-seq", str(max_seq), "--backend", "iree",
-                 "--target", target, "--stateful", "-o", str(folder))
+                 "--target", target, "--stateful", *more, "-o", str(folder))
         dst.mkdir(exist_ok=True)
         for f in COMPILED_FILES:
             shutil.copyfile(folder / f, dst / f)
@@ -167,19 +174,48 @@ def copy_bandwidth() -> float:
     return 2 * n / float(np.median(times[2:]))
 
 
-def _timed_generate(step, prompt: list[int], steps: int) -> dict:
-    """Prefill ``prompt`` in one ``step`` call, then ``steps`` greedy one-token calls; ``step(ids [1, n]) ->
-    logits [1, n, vocab]`` (host). Returns tokens and wall times."""
+def _prefill(step, prompt: list[int], width: int | None) -> np.ndarray:
+    """Logits of the prompt's last position: one call, or one call per token when the module takes ``width`` = 1."""
+    if width == 1:
+        for t in prompt:
+            logits = step(np.array([[t]], np.int64))
+        return logits
+    return step(np.array([prompt], np.int64))
+
+
+def _timed_generate(step, prompt: list[int], steps: int, width: int | None = None) -> dict:
+    """Prefill ``prompt`` (:func:`_prefill`), then ``steps`` greedy one-token calls; ``step(ids [1, n]) ->
+    logits [1, n, vocab]`` (host). Returns tokens, the last position's logits of each step and wall times."""
     t0 = time.perf_counter()
-    logits = step(np.array([prompt], np.int64))
-    tokens = [int(np.argmax(logits[0, -1]))]
+    logits = _prefill(step, prompt, width)
+    tokens, last = [int(np.argmax(logits[0, -1]))], [logits[0, -1].astype(np.float32)]
     t1 = time.perf_counter()
     for _ in range(steps - 1):
         logits = step(np.array([[tokens[-1]]], np.int64))
         tokens.append(int(np.argmax(logits[0, -1])))
+        last.append(logits[0, -1].astype(np.float32))
     t2 = time.perf_counter()
-    return {"tokens": tokens, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+    return {"tokens": tokens, "logits": np.stack(last), "prefill_s": t1 - t0, "decode_s": t2 - t1,
             "prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": (steps - 1) / (t2 - t1)}
+
+
+def compare_logits(step, prompt: list[int], ref_tokens: list[int], ref_logits: np.ndarray, width: int | None) -> dict:
+    """Teacher-forced comparison with the reference: prefill ``prompt``, then feed the reference's tokens one per
+    call (whatever this model would pick), and compare each step's last-position logits with ``ref_logits``
+    ``[steps, vocab]``: ``max_rel`` (max abs difference over the reference's max abs logit), ``top1_equal`` (the
+    same argmax) and the reference's own ``margin`` (its top-1 minus top-2 logit, over its max abs logit: how far
+    from a tie the reference's choice was)."""
+    logits = [_prefill(step, prompt, width)[0, -1]]
+    for t in ref_tokens[:-1]:
+        logits.append(step(np.array([[t]], np.int64))[0, -1])
+    out = {"max_rel": [], "top1_equal": [], "margin": []}
+    for got, ref in zip(logits, ref_logits):
+        got, scale = got.astype(np.float32), float(np.abs(ref).max())
+        top2 = np.sort(ref)[-2:]
+        out["max_rel"].append(float(np.abs(got - ref).max() / scale))
+        out["top1_equal"].append(bool(np.argmax(got) == np.argmax(ref)))
+        out["margin"].append(float((top2[1] - top2[0]) / scale))
+    return out
 
 
 PROFILE_STEPS = 8
@@ -204,26 +240,32 @@ def kernel_profile(step, token: int, steps: int = PROFILE_STEPS) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_token"])
 
 
-def _measure(step, reset, prompt: list[int], profile: bool) -> dict:
+def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | None, width: int | None = None) -> dict:
     """The token check (``CHECK_TOKENS`` after ``prompt[:CHECK_PROMPT]``; also the warm-up: first calls load
-    kernels and allocate), ``reset()``, the timed generation on ``prompt``, then the kernel profile."""
-    check = _timed_generate(step, prompt[:CHECK_PROMPT], CHECK_TOKENS)
+    kernels and allocate), the teacher-forced logits check against ``reference`` (:func:`compare_logits`), the
+    timed generation on ``prompt``, then the kernel profile; ``reset()`` before each."""
+    check = _timed_generate(step, prompt[:CHECK_PROMPT], CHECK_TOKENS, width)
+    compared = None
+    if reference is not None:
+        reset()
+        compared = compare_logits(step, prompt[:CHECK_PROMPT], reference["tokens"], reference["logits"], width)
     reset()
-    res = _timed_generate(step, prompt, DECODE_STEPS)
-    res["check_tokens"] = check["tokens"]
+    res = _timed_generate(step, prompt, DECODE_STEPS, width)
+    del res["logits"]
+    res["check_tokens"], res["check_logits"] = check["tokens"], compared
     if profile:
         res["profile"] = kernel_profile(step, res["tokens"][-1])
     return res
 
 
-def _measure_folder(folder: Path, prompt: list[int], profile: bool = True) -> dict:
+def _measure_folder(folder: Path, prompt: list[int], reference: dict | None, profile: bool = True) -> dict:
     from rewrite.generate import Generator
 
     gen = Generator(folder, low_memory=False)
-    return _measure(gen.step, gen.reset, prompt, profile)
+    return _measure(gen.step, gen.reset, prompt, profile, reference, gen.fixed_width)
 
 
-def _measure_ort(folder: Path, prompt: list[int], device: str = "cuda") -> dict:
+def _measure_ort(folder: Path, prompt: list[int], reference: dict | None, device: str = "cuda") -> dict:
     """ONNX Runtime on the folder's model with the KV cache kept on ``device`` ("cuda": the CUDA execution provider;
     "cpu": the CPU one) between steps (IO binding)."""
     import onnxruntime as ort
@@ -260,7 +302,7 @@ def _measure_ort(folder: Path, prompt: list[int], device: str = "cuda") -> dict:
         state["position"] += ids.shape[1]
         return outs[iface.logits].numpy()
 
-    return _measure(step, lambda: state.update(past=fresh(), position=0), prompt, device == "cuda")
+    return _measure(step, lambda: state.update(past=fresh(), position=0), prompt, device == "cuda", reference)
 
 
 def _measure_torch(arch: str, prompt: list[int], max_seq: int, layers: int | None) -> dict:
@@ -296,7 +338,7 @@ def _measure_torch(arch: str, prompt: list[int], max_seq: int, layers: int | Non
         cache["pkv"] = out.past_key_values
         return out.logits[:, -1:].float().cpu().numpy()
 
-    res = _measure(step, cache.clear, prompt, True)
+    res = _measure(step, cache.clear, prompt, True, None)
     res["transformers"] = transformers.__version__
     del model
     torch.cuda.empty_cache()
@@ -322,9 +364,14 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None) -> in
         seeded_weights.regenerate(seed, threads=threads)
         print(f"  regenerated the seed form's weights: {time.perf_counter() - t0:.0f} s", flush=True)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab, PROMPT_LEN).tolist()
-    if (bundle / "reference.json").exists() and not (results / "reference.json").exists():
-        shutil.copyfile(bundle / "reference.json", results / "reference.json")  # computed by prepare --reference
+    for f in ("reference.json", "reference_logits.npy"):  # computed by prepare --reference
+        if (bundle / f).exists() and not (results / f).exists():
+            shutil.copyfile(bundle / f, results / f)
     for name in configs:
+        reference = None
+        if (results / "reference_logits.npy").exists():
+            reference = {"tokens": json.loads((results / "reference.json").read_text())["check_tokens"],
+                         "logits": np.load(results / "reference_logits.npy")}
         out = results / f"{name}.json"
         if out.exists():
             continue
@@ -337,6 +384,7 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None) -> in
 
             gen = Generator.reference(folder / "model.onnx")
             res = _timed_generate(gen.step, prompt[:CHECK_PROMPT], CHECK_TOKENS)
+            np.save(results / "reference_logits.npy", res.pop("logits"))
             res["check_tokens"] = res["tokens"]
             res["host"] = f"{platform.node()}, {os.cpu_count()} cores"
         elif name == "torch":
@@ -344,26 +392,44 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None) -> in
         elif name == "bandwidth":
             res = {"copy_bytes_per_s": copy_bandwidth()}
         else:
-            backend, plugins = CONFIGS[name]
+            backend, plugins, more = CONFIGS[name]
             args = ["apply", str(seed), "--plugins", plugins, "--max-seq", str(max_seq), "--backend", backend,
-                    "--target", target if backend == "iree" else _ORT_TARGET[target]]
+                    "--target", target if backend == "iree" else _ORT_TARGET[target], *more]
             if backend == "iree":
                 args += ["--stateful", "--module-from", str(bundle / name)]
             _rewrite(*args, "-o", str(folder))
-            res = (_measure_ort(folder, prompt, _ORT_TARGET[target]) if backend == "ort"
-                   else _measure_folder(folder, prompt, profile=target == "cuda"))
+            res = (_measure_ort(folder, prompt, reference, _ORT_TARGET[target]) if backend == "ort"
+                   else _measure_folder(folder, prompt, reference, profile=target == "cuda"))
         shutil.rmtree(folder, ignore_errors=True)
         res["wall_s"] = time.perf_counter() - t0
         out.write_text(json.dumps(res) + "\n")
-        print(f"  {name}: {json.dumps({k: v for k, v in res.items() if k not in ('tokens', 'profile')})}", flush=True)
+        print(f"  {name}: {json.dumps({k: v for k, v in res.items() if k not in ('tokens', 'profile', 'logits')})}", flush=True)
         for row in res.get("profile", [])[:12]:
             print(f"    {row['us_per_token']:9.1f} us/token {row['launches_per_token']:6.1f}x  {row['kernel'][:100]}")
     return report(work, cfg)
 
 
+def _logits_summary(c: dict | None) -> tuple[str, bool]:
+    """One line on a teacher-forced logits check (:func:`compare_logits`), and whether the logits are within
+    ``verify``'s fp16 tolerance (:data:`rewrite.verify.REL_TOL`) at every step."""
+    import onnx
+
+    from rewrite.verify import REL_TOL
+
+    if not c:
+        return "", False
+    tol = REL_TOL[onnx.TensorProto.FLOAT16]
+    decisive = [eq for eq, rel, margin in zip(c["top1_equal"], c["max_rel"], c["margin"]) if margin > 2 * rel]
+    ok = max(c["max_rel"]) <= tol
+    return (f"; teacher-forced logits: max rel. diff {max(c['max_rel']):.1e} ({'within' if ok else 'beyond'} "
+            f"{tol:g}), top-1 equal {sum(c['top1_equal'])}/{len(c['top1_equal'])}, {len(decisive)} step(s) "
+            f"decided by more than twice the difference, {sum(decisive)} of them equal"), ok
+
+
 def report(work: Path, cfg) -> int:
     """Print the table of ``work/results``; exit status 1 when a configuration with the fusing plugins gives other
-    check tokens than the reference."""
+    tokens than the reference and its teacher-forced logits are not within the fp16 tolerance either (greedy tokens
+    of a random-weight model can differ where its top two logits are closer than fp16 rounding)."""
     res = {p.stem: json.loads(p.read_text()) for p in (work / "results").glob("*.json")}
     ref = res.get("reference", {}).get("check_tokens")
     bw = res.get("bandwidth", {}).get("copy_bytes_per_s")
@@ -371,9 +437,10 @@ def report(work: Path, cfg) -> int:
     if bw:
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {nbytes / 1e9:.2f} GB per decode token: speed of light "
               f"{bw / nbytes:.0f} tok/s")
-    print(f"{'config':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'of light':>9}  tokens vs ONNX Runtime CPU")
+    print(f"{'config':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'of light':>9} {'GPU us/token':>13} "
+          f"{'launches':>9}  check against ONNX Runtime CPU")
     status = 0
-    for name in ("iree", "iree-plain", "ort", "torch"):
+    for name in (*CONFIGS, "torch"):
         r = res.get(name)
         if r is None:
             continue
@@ -383,12 +450,14 @@ def report(work: Path, cfg) -> int:
         elif ref is None:
             check = "no reference"
         else:
-            same = r["check_tokens"] == ref
             first = next((i for i, (a, b) in enumerate(zip(r["check_tokens"], ref)) if a != b), None)
-            check = "equal" if same else f"differ from token {first}"
-            if not same and name != "iree-plain":
+            logits, ok = _logits_summary(r.get("check_logits"))
+            check = ("tokens equal" if first is None else f"tokens differ from token {first}") + logits
+            if first is not None and not ok and name != "iree-plain":
                 status = 1
-        print(f"{name:<12} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {light}  {check}")
+        prof = r.get("profile") or []
+        gpu = f"{sum(k['us_per_token'] for k in prof):13.0f} {sum(k['launches_per_token'] for k in prof):9.0f}" if prof else f"{'':13} {'':9}"
+        print(f"{name:<12} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {light} {gpu}  {check}")
     return status
 
 

@@ -150,11 +150,12 @@ def reuse_module(onnx_path: Path, folder: Path, manifest: Manifest, compiled: Pa
             manifest.files[role] = name
     if "vmfb" not in manifest.files:
         raise BackendError(f"{where}: its {theirs.files['vmfb']} is missing")
+    manifest.kernel_objects = []  # those present (the module holds their code: they are not needed to run it)
     for rel in theirs.kernel_objects:
         if (compiled / rel).is_file():
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(compiled / rel, folder / rel)
-    manifest.kernel_objects = list(theirs.kernel_objects)
+            manifest.kernel_objects.append(rel)
     manifest.entry_function = theirs.entry_function
     manifest.inputs, manifest.outputs, manifest.state = theirs.inputs, theirs.outputs, theirs.state
     manifest.target_options = dict(theirs.target_options)
