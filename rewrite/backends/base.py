@@ -48,7 +48,8 @@ class Manifest:
             ``rewrite.backends.ort.OPT_LEVELS``; ``config``: session config entries), chosen so that the
             runtime's own graph optimizations keep the lowered graph's meaning; ``run``, ``verify`` and
             ``generate`` use it.
-        target_options: what the target was compiled for beyond its name (iree cuda: ``cuda_sm``).
+        target_options: what the target was compiled for beyond its name (iree cuda: ``cuda_sm``; iree llvm-cpu:
+            ``host_cpu``, the compiling machine's CPU model, which the module is built for).
     """
 
     backend: str

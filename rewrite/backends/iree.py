@@ -19,7 +19,7 @@ import onnx
 from onnx import numpy_helper
 
 from rewrite.backends.base import Manifest, check_feeds
-from rewrite.backends.iree_prebuilt import graph_digest, reuse_module, write_params_index
+from rewrite.backends.iree_prebuilt import graph_digest, host_cpu, reuse_module, write_params_index
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io, spill
 from rewrite.core.abstract_ops import DOMAIN
@@ -120,7 +120,7 @@ def _share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int
             old_files.add(location)
         if t.name in spans:
             offset, length = spans[t.name]
-            t.ClearField("raw_data")
+            onnx_io.clear_tensor_data(t)
             del t.external_data[:]
             for key, val in (("location", params_path.name), ("offset", str(offset)), ("length", str(length))):
                 entry = t.external_data.add()
@@ -177,7 +177,8 @@ class IreeBackend:
         threshold = int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD))
         if options.get("module_from"):
             spans, params_path = reuse_module(onnx_path, folder, manifest, Path(options["module_from"]),
-                                              stateful=bool(options.get("stateful")), cuda_sm=options.get("cuda_sm"))
+                                              stateful=bool(options.get("stateful")),
+                                              cuda_sm=str(options.get("cuda_sm", DEFAULT_CUDA_ARCH)))
             if spans:
                 share_params(onnx_path, params_path, spans)
             return
@@ -224,6 +225,8 @@ class IreeBackend:
                      extra_flags=[f"--iree-cuda-target={sm}"] if manifest.target == "cuda" else [])
         if manifest.target == "cuda":
             manifest.target_options = {"cuda_sm": sm}
+        else:  # llvm-cpu builds for this machine's CPU (--iree-llvmcpu-target-cpu=host)
+            manifest.target_options = {"host_cpu": host_cpu()}
         manifest.entry_function = res.entry_function
         manifest.files.update(mlir="model.mlir", vmfb="model.vmfb", compile_log="compile.log")
         if res.params_path is not None:

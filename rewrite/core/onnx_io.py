@@ -276,6 +276,17 @@ def to_model(g: Graph, *, skeleton_bytes: int | None = None) -> onnx.ModelProto:
     return model
 
 
+#: the TensorProto fields that can hold a tensor's values (besides external data)
+TENSOR_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+
+
+def clear_tensor_data(t: onnx.TensorProto) -> None:
+    """Remove a tensor's values from every field that can hold them (``raw_data`` or a typed field such as
+    ``float_data`` or ``int32_data``, which ``onnx.helper.make_tensor`` fills); name, dims and type stay."""
+    for f in TENSOR_DATA_FIELDS:
+        t.ClearField(f)
+
+
 def tensor_nbytes(t: onnx.TensorProto) -> int:
     """Bytes of a tensor's data: its external length (the ``length`` key, else what its dims and type need), or the
     serialized size of data held inside the model."""
