@@ -175,10 +175,12 @@ class IreeBackend:
         manifest.inputs = [s.to_json() for s in input_specs(model)]  # the entry function's arguments
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
         threshold = int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD))
+        sm = str(options.get("cuda_sm", DEFAULT_CUDA_ARCH))
+        if not (sm.startswith("sm_") and sm[3:].isdigit()):
+            raise BackendError(f"--cuda-sm {sm}: expected an NVIDIA SM architecture such as sm_80 or sm_90")
         if options.get("module_from"):
             spans, params_path = reuse_module(onnx_path, folder, manifest, Path(options["module_from"]),
-                                              stateful=bool(options.get("stateful")),
-                                              cuda_sm=str(options.get("cuda_sm", DEFAULT_CUDA_ARCH)))
+                                              stateful=bool(options.get("stateful")), cuda_sm=sm)
             if spans:
                 share_params(onnx_path, params_path, spans)
             return
@@ -201,9 +203,6 @@ class IreeBackend:
         from rewrite.backends.iree_stateful import make_module_stateful
         from rewrite.backends.mlir import MlirModule
 
-        sm = str(options.get("cuda_sm", DEFAULT_CUDA_ARCH))
-        if not (sm.startswith("sm_") and sm[3:].isdigit()):
-            raise BackendError(f"--cuda-sm {sm}: expected an NVIDIA SM architecture such as sm_80 or sm_90")
         used = {n.op_type for n in graph.nodes.values() if n.domain == DOMAIN}
         missing = sorted(used - set(lowerings))
         if missing:

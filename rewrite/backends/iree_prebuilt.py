@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
 import onnx
 
 from rewrite.backends.base import Manifest
+from rewrite.backends.iree_toolchain import inline_importer_constants
 from rewrite.core.onnx_io import clear_tensor_data
 from rewrite.errors import BackendError
 
@@ -45,24 +47,15 @@ def graph_digest(onnx_path: Path, param_threshold: int) -> str:
     Raises:
         BackendError: ``onnx_path`` cannot be read.
     """
-    from onnx.external_data_helper import load_external_data_for_tensor
-
     from google.protobuf.message import DecodeError
 
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except (OSError, DecodeError) as e:
         raise BackendError(f"{onnx_path}: cannot read it for its graph digest ({e})") from e
+    inline_importer_constants(model, onnx_path.parent, param_threshold)
     for t in model.graph.initializer:
-        elements = 1
-        for d in t.dims:
-            elements *= d
-        if elements < param_threshold:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                load_external_data_for_tensor(t, str(onnx_path.parent))
-                t.data_location = onnx.TensorProto.DEFAULT
-                del t.external_data[:]
-        else:
+        if math.prod(t.dims) >= param_threshold:
             clear_tensor_data(t)
             del t.external_data[:]
             t.data_location = onnx.TensorProto.DEFAULT
@@ -168,9 +161,10 @@ def reuse_module(onnx_path: Path, folder: Path, manifest: Manifest, compiled: Pa
     if manifest.target == "cuda" and theirs.target_options.get("cuda_sm") != cuda_sm:
         raise BackendError(f"{where}: compiled for {theirs.target_options.get('cuda_sm')}, here for {cuda_sm} "
                            "(--cuda-sm must be the same)")
-    if manifest.target == "llvm-cpu" and theirs.target_options.get("host_cpu") != host_cpu():
+    cpu = host_cpu()
+    if manifest.target == "llvm-cpu" and theirs.target_options.get("host_cpu") != cpu:
         raise BackendError(f"{where}: compiled for the CPU {theirs.target_options.get('host_cpu')!r}, this machine's is "
-                           f"{host_cpu()!r} (llvm-cpu modules are built for the compiling machine's CPU)")
+                           f"{cpu!r} (llvm-cpu modules are built for the compiling machine's CPU)")
     objects = [(rel, _inside(compiled, rel, where)) for rel in theirs.kernel_objects]
     index = read_params_index(compiled)
     ours = graph_digest(onnx_path, int(index["param_threshold"]))

@@ -190,19 +190,28 @@ def _large_model_copy(onnx_path: Path, max_elements: int) -> Path | None:
     than ``max_elements`` elements (those the importer inlines as constants) hold their data, the others still
     referring to the same files."""
     import onnx
-    from onnx.external_data_helper import load_external_data_for_tensor
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         return None
-    for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) < max_elements:
-            load_external_data_for_tensor(t, str(onnx_path.parent))
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
+    inline_importer_constants(model, onnx_path.parent, max_elements)
     path = onnx_path.with_name(onnx_path.stem + ".large-import.onnx")
     onnx.save(model, str(path))
     return path
+
+
+def inline_importer_constants(model, base_dir: Path, max_elements: int) -> None:
+    """Load into ``model`` (an ``onnx.ModelProto`` read without external data) the data of its external
+    initializers of fewer than ``max_elements`` elements: those the importer inlines into the module as constants
+    (the others it externalizes as parameters)."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) < max_elements:
+            load_external_data_for_tensor(t, str(base_dir))
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
 
 
 def entry_function_name(mlir_text: str) -> str:
