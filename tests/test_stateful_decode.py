@@ -1,4 +1,4 @@
-"""IREE stateful decode (llvm-cpu): the KV cache in one util.global, the function taking ids and position.
+"""IREE stateful decode (llvm-cpu): the KV cache in util.globals, the function taking ids and position.
 
 On the tiny Qwen1.5-MoE and Qwen3-MoE exports (fp32) and the seed form, greedy
 tokens equal ONNX Runtime running the original model for 32 steps, logits within 1e-4 relative, and the
@@ -11,9 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qwen_moe
 from rewrite.cli import cli
+from rewrite.backends.iree_stateful import group_sizes
 from rewrite.errors import BackendError
 from rewrite.generate import GenerationError, Generator
 from rewrite.pipeline import apply
@@ -114,3 +117,45 @@ def test_a_negative_cache_axis_is_the_same_axis(lowered, tmp_path):
     m = apply(tmp_path / "negative.onnx", tmp_path / "iree", backend="iree", options={"stateful": True})
     assert m.state[0]["axis"] == 2
     assert Generator(tmp_path / "iree").generate(PROMPT, 8).tokens == Generator(ort_folder).generate(PROMPT, 8).tokens
+
+
+@given(n=st.integers(1, 600), cap=st.integers(1, 64))
+@settings(max_examples=300, derandomize=True, deadline=None)
+def test_group_sizes_are_distinct_and_fewest(n, cap):
+    """Cache slots split into globals: sizes sum to ``n``, at most ``cap``, strictly decreasing (no two globals
+    share a type), and no fewer groups could do it (``g`` distinct sizes <= cap hold at most ``g*cap - g(g-1)/2``)."""
+    most = cap * (cap + 1) // 2
+    if n > most:
+        with pytest.raises(ValueError, match=f"{n} slots do not fit"):
+            group_sizes(n, cap)
+        return
+    sizes = group_sizes(n, cap)
+    assert sum(sizes) == n and sizes[0] <= cap and sizes[-1] >= 1
+    assert all(a > b for a, b in zip(sizes, sizes[1:]))
+    g = len(sizes) - 1
+    assert g * cap - g * (g - 1) // 2 < n
+
+
+@pytest.mark.slow
+def test_a_deep_decoder_keeps_its_cache_in_several_globals(tmp_path):
+    """30 layers = 60 caches: in one global iree-compile 3.13 fails ("failed to solve for usage analysis"); split
+    into globals of 31 and 29 slots it compiles, decodes ORT's greedy tokens and holds ORT's caches."""
+    import seed_form
+
+    model, _ = seed_form.build_seed_model("fp32", layers=30, hidden=64, heads=2, kv_heads=2, head_dim=32, experts=4,
+                                          top_k=2, moe_intermediate=64, shared_intermediate=64, vocab=160, max_seq=16,
+                                          block_size=32)
+    path = seed_form.save_seed_model(model, tmp_path / "deep.onnx")
+    m = apply(path, tmp_path / "iree", plugins="cast,legalize,topk,expand,kv", backend="iree", options={"stateful": True})
+    assert [(s["name"], s["shape"][0], len(s["entries"])) for s in m.state] == [("rewrite_kv_state", 31, 31), ("rewrite_kv_state_1", 29, 29)]
+    pasts = [e["input"] for s in m.state for e in s["entries"]]
+    assert pasts == [f"past_{kind}_{i}" for i in range(30) for kind in ("key", "value")]
+    gen, ref_gen = Generator(tmp_path / "iree"), Generator.reference(path)
+    got, ref = gen.generate(PROMPT, 8), ref_gen.generate(PROMPT, 8)
+    assert got.tokens == ref.tokens
+    assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4
+    state, written = gen.runner.read_state(), len(PROMPT) + 8 - 1
+    for s in m.state:
+        for k, e in enumerate(s["entries"]):
+            r = ref_gen.past[e["input"]][:, :, :written]
+            np.testing.assert_allclose(state[s["name"]][k][:, :, :written], r, rtol=1e-4, atol=1e-5 * np.abs(r).max())

@@ -1,25 +1,32 @@
-"""Stateful KV cache on IREE: the model's cache inputs/outputs become one module-level ``util.global``.
+"""Stateful KV cache on IREE: the model's cache inputs/outputs become module-level ``util.global``\ s.
 
 Seed 000, "Stateful KV Cache": passing every layer's cache in and out of the compiled function costs copies
 of all of it per call (5.6 ms + 4.4 ms per step on the seed's GPU); keeping it in the VM module state gave
-+49% decode speed. All caches live in ONE combined global ``tensor<N x S...>`` (``N`` = number of cache
-tensors, entry ``k`` = the ``k``-th (past, present) pair): two globals with equal initial values are merged
-by iree-compile 3.13 and then alias (seed: "IREE aliases the insert_slice destination to the global's
-storage"; reproduced on iree-compile 3.13 with two globals of equal initial values).
++49% decode speed. The caches live in a few combined globals ``tensor<N_j x S...>`` (entry ``k`` of the model =
+the ``k``-th (past, present) pair, slots in order, split into groups of :data:`MAX_SLOTS_PER_GLOBAL` or fewer):
+
+* not one global per cache: two globals with equal initial values are merged by iree-compile 3.13 and then
+  alias (seed: "IREE aliases the insert_slice destination to the global's storage"; reproduced on
+  iree-compile 3.13 with two globals of equal initial values). The groups therefore have distinct sizes
+  ``N_0 > N_1 > ...``, so no two globals have the same type;
+* not one global for all caches: each write threads the global's value to the next, and iree-compile 3.13's
+  stream resource usage analysis fails ("failed to solve for usage analysis") once that chain is long:
+  48 caches in one global compile, 60 do not (a 30-layer decoder), on llvm-cpu and cuda alike.
 
 :func:`make_stateful` rewrites the entry function through the MLIR bindings (:mod:`rewrite.backends.mlir`); what
 it adds is a set of small private functions, parsed in the module's context, that iree-compile inlines:
 
 * each past argument is removed from the signature; its uses read ``@rewrite_kv_state_slot_<k>`` (a
-  ``tensor.extract_slice``) of the state loaded once at the top (``util.global.load @rewrite_kv_state``);
+  ``tensor.extract_slice``) of its group's global, loaded once at the top (``util.global.load``);
 * each present result is removed from ``return``. A present computed by ``KVCacheUpdate`` of its own past
   (the ``kv`` plugin's ``func.call @rewrite_KVCacheUpdate_*``) becomes ``@rewrite_kv_state_write_<k>``: insert this
-  call's new rows into the state at (slot, position) and read the present back as a slice of it, so no layer's
-  whole cache is copied out of and back into the global; any other present is written back whole
-  (``@rewrite_kv_state_put_<k>``, ``tensor.insert_slice``). The state is stored once before the return
+  call's new rows into the group's global at (slot, position) and read the present back as a slice of it, so
+  no layer's whole cache is copied out of and back into the global; any other present is written back whole
+  (``@rewrite_kv_state_put_<k>``, ``tensor.insert_slice``). Each global is stored once before the return
   (``util.global.store``; load and store are the entry function's own ops: iree-compile's torch conversion
   refuses a ``util.global.store`` in a private function);
-* a public function ``@rewrite_kv_state_get() -> tensor<N x ...>`` returns the global (for tests and tools).
+* per global a public getter returns it (``@rewrite_kv_state_get``, ``@rewrite_kv_state_<j>_get``; for
+  tests and tools).
 
 The function then takes the remaining inputs (token ids, position) and returns the remaining outputs
 (logits). The state starts at zeros; :meth:`rewrite.backends.iree_toolchain.IreeModule.reset` restores that.
@@ -37,10 +44,41 @@ from rewrite.core.iree_lowering import VTensor, insert_rows_mlir
 from rewrite.core.interface import cache_pairs
 from rewrite.errors import BackendError
 
-STATE_GLOBAL = "rewrite_kv_state"
-STATE_GETTER = "rewrite_kv_state_get"
+STATE_GLOBAL = "rewrite_kv_state"  #: the first group's global; group j > 0: ``rewrite_kv_state_<j>``
 _HELPER = "rewrite_kv_state_"  #: prefix of the private helper functions
 KV_UPDATE_CALL = "rewrite_KVCacheUpdate_"  #: the patched KVCacheUpdate wrappers (rewrite.backends.iree_patch)
+MAX_SLOTS_PER_GLOBAL = 32  #: caches per global; 48 still compile on iree-compile 3.13, 60 do not (module docstring)
+
+
+def global_name(group: int) -> str:
+    """The ``util.global`` symbol of state group ``group``."""
+    return STATE_GLOBAL if group == 0 else f"{STATE_GLOBAL}_{group}"
+
+
+def getter_name(group: int) -> str:
+    """The public function returning group ``group``'s global."""
+    return f"{global_name(group)}_get"
+
+
+def group_sizes(n: int, cap: int = MAX_SLOTS_PER_GLOBAL) -> list[int]:
+    """Split ``n`` cache slots into the fewest groups of at most ``cap`` slots whose sizes all differ
+    (strictly decreasing, so that no two globals share a type; module docstring).
+
+    Raises:
+        ValueError: ``n`` < 1 or ``cap`` < 1.
+    """
+    if n < 1 or cap < 1:
+        raise ValueError(f"group_sizes: need n >= 1 and cap >= 1, got n={n}, cap={cap}")
+    g = 1
+    while g * cap - g * (g - 1) // 2 < n:  # the most g distinct sizes <= cap can hold
+        g += 1
+        if g > cap:
+            raise ValueError(f"group_sizes: {n} slots do not fit distinct groups of at most {cap}")
+    top = -(-(n + g * (g - 1) // 2) // g)  # sizes top, top-1, ..., top-g+1 hold n or up to g-1 more
+    sizes = [top - j for j in range(g)]
+    for j in range(g - (sum(sizes) - n), g):  # take one from the last ones: still strictly decreasing
+        sizes[j] -= 1
+    return sizes
 
 
 @dataclass
@@ -51,7 +89,7 @@ class StateSpec:
         name: the ``util.global`` symbol.
         getter: public function returning the whole global.
         shape: ``[N, *entry shape]``; ``dtype`` the ONNX element type name (``FLOAT``...).
-        entries: per slot ``k``: ``{"input": past name, "output": present name}``.
+        entries: per slot ``k`` of this global: ``{"input": past name, "output": present name}``.
         axis: the cache entries' sequence axis (``S = shape[1 + axis]`` positions), None when unknown.
     """
 
@@ -84,13 +122,29 @@ def _direct_update(value: ir.Value, past: ir.Value, block: ir.Block) -> ir.Opera
     return owner
 
 
+@dataclass
+class _Slot:
+    """Cache ``k`` of the model: argument ``arg``, result ``res``, its type, its group and index in the group."""
+
+    arg: int
+    res: int
+    type: VTensor
+    group: int
+    index: int
+
+
 def make_stateful(mod: MlirModule, function: str, input_names: list[str], output_names: list[str],
-                  pairs: list[tuple[str, str]], onnx_dtype: str, axis: int | None = None) -> StateSpec:
+                  pairs: list[tuple[str, str]], onnx_dtype: str, axis: int | None = None,
+                  max_slots: int = MAX_SLOTS_PER_GLOBAL) -> list[StateSpec]:
     """Move the cache tensors of ``pairs`` ((input name, output name), in slot order) into module state, in place.
 
     ``input_names``/``output_names``: the entry function's arguments/results in order (graph inputs, graph
-    outputs). Every paired tensor must have the same static type. When ``axis`` is given, a present that is
+    outputs). Every paired tensor must have the same static type. The slots are split into globals of at most
+    ``max_slots`` (:func:`group_sizes`). When ``axis`` is given, a present that is
     ``KVCacheUpdate(past, update, position)`` of its own past is written as its new rows only (module docstring).
+
+    Returns:
+        one :class:`StateSpec` per global, in slot order.
 
     Raises:
         BackendError: the entry function or a name is not found, a cache type is dynamic, or types differ.
@@ -102,7 +156,7 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
     if len(args) != len(input_names) or len(results) != len(output_names):
         raise BackendError(f"stateful: @{function} has {len(args)} args/{len(results)} results, the model "
                            f"{len(input_names)} inputs/{len(output_names)} outputs")
-    slots = []
+    found = []
     for past, present in pairs:
         if past not in input_names or present not in output_names:
             raise BackendError(f"stateful: cache pair ({past}, {present}) is not an (input, output) of the model")
@@ -111,49 +165,52 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
         if None in t_in.dims or t_in.text != t_out.text:
             raise BackendError(f"stateful: cache '{past}' -> '{present}' has type {t_in.text} -> {t_out.text}; a static, "
                                "unchanged type is needed (run the kv plugin with --max-seq)")
-        slots.append((i, o, t_in))
-    entry = slots[0][2]
-    if any(t.text != entry.text for _, _, t in slots):
+        found.append((i, o, t_in))
+    entry = found[0][2]
+    if any(t.text != entry.text for _, _, t in found):
         raise BackendError("stateful: cache tensors differ in type; one combined global needs equal types")
-    n, r = len(slots), len(entry.dims)
-    gtype = "tensor<" + "x".join(str(d) for d in [n, *entry.dims]) + "x" + entry.builtin_element + ">"
-    direct = {k: _direct_update(results[o], args[i], block) if axis is not None else None for k, (i, o, _) in enumerate(slots)}
+    sizes = group_sizes(len(found), max_slots)
+    owner = [(j, x) for j, size in enumerate(sizes) for x in range(size)]
+    slots = [_Slot(i, o, t, *owner[k]) for k, (i, o, t) in enumerate(found)]
+    gtypes = [_global_type(size, entry) for size in sizes]
+    direct = {k: _direct_update(results[s.res], args[s.arg], block) if axis is not None else None for k, s in enumerate(slots)}
     opset = fn.attributes["torch.onnx_meta.opset_version"] if "torch.onnx_meta.opset_version" in fn.attributes else None
     zero = "0.0" if entry.builtin_element.startswith(("f", "bf")) else "0"
-    state_global = f"util.global private mutable @{STATE_GLOBAL} = dense<{zero}> : {gtype}"
-    mod.add(state_global, "stateful KV cache", first=True)
-    # the helpers' piece holds the global again (left out when added: the same op) so that it verifies alone
-    mod.add(state_global + "\n" + _helpers(slots, direct, gtype, entry, r, axis, str(opset) if opset is not None else None),
+    globals_ = "\n".join(f"util.global private mutable @{global_name(j)} = dense<{zero}> : {gtype}" for j, gtype in enumerate(gtypes))
+    mod.add(globals_, "stateful KV cache", first=True)
+    # the helpers' piece holds the globals again (left out when added: the same ops) so that it verifies alone
+    mod.add(globals_ + "\n" + _helpers(slots, direct, gtypes, entry, axis, str(opset) if opset is not None else None),
             "stateful KV cache")
 
     loc = fn.location
-    g = ir.Type.parse(gtype, mod.context)
+    g = [ir.Type.parse(gtype, mod.context) for gtype in gtypes]
     first = list(block.operations)[0].operation
-    with ir.InsertionPoint(first), loc:  # the global's load and store sit in the entry function itself: iree-compile's
-        state = util.GlobalLoadOp(g, STATE_GLOBAL).result  # torch conversion refuses a store in a private function
-    for k, (i, _, t) in enumerate(slots):
-        past = _call(f"{_HELPER}slot_{k}", [args[i].type], [state], first, loc).results[0]
-        args[i].replace_all_uses_with(past)
+    with ir.InsertionPoint(first), loc:  # the globals' loads and stores sit in the entry function itself: iree-compile's
+        states = [util.GlobalLoadOp(g[j], global_name(j)).result for j in range(len(sizes))]  # torch conversion refuses a store in a private function
+    for k, s in enumerate(slots):
+        past = _call(f"{_HELPER}slot_{k}", [args[s.arg].type], [states[s.group]], first, loc).results[0]
+        args[s.arg].replace_all_uses_with(past)
     for k in sorted((k for k, c in direct.items() if c is not None), key=lambda k: _position(block, direct[k])):
-        call = direct[k]
-        w = _call(f"{_HELPER}write_{k}", [g, call.results[0].type], [state, call.operands[1], call.operands[2]], call, call.location)
+        call, j = direct[k], slots[k].group
+        w = _call(f"{_HELPER}write_{k}", [g[j], call.results[0].type], [states[j], call.operands[1], call.operands[2]], call, call.location)
         call.results[0].replace_all_uses_with(w.results[1])
         call.erase()
-        state = w.results[0]
-    for k, (_, o, _) in enumerate(slots):
+        states[j] = w.results[0]
+    for k, s in enumerate(slots):
         if direct[k] is None:
-            state = _call(f"{_HELPER}put_{k}", [g], [state, ret.operands[o]], ret, loc).results[0]
+            states[s.group] = _call(f"{_HELPER}put_{k}", [g[s.group]], [states[s.group], ret.operands[s.res]], ret, loc).results[0]
     with ir.InsertionPoint(ret), loc:
-        util.GlobalStoreOp(state, STATE_GLOBAL)
-    state_res = {o for _, o, _ in slots}
+        for j, state in enumerate(states):
+            util.GlobalStoreOp(state, global_name(j))
+    state_res = {s.res for s in slots}
     kept = [v for k, v in enumerate(ret.operands) if k not in state_res]
     with ir.InsertionPoint(ret), ret.location:
         func.ReturnOp(kept)
     ret.erase()
-    for i in sorted((i for i, _, _ in slots), reverse=True):
+    for i in sorted((s.arg for s in slots), reverse=True):
         block.erase_argument(i)
     fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get([a.type for a in block.arguments], [v.type for v in kept]))
-    for key, drop in (("arg_attrs", {i for i, _, _ in slots}), ("res_attrs", state_res)):
+    for key, drop in (("arg_attrs", {s.arg for s in slots}), ("res_attrs", state_res)):
         if key in fn.attributes:
             fn.attributes[key] = ir.ArrayAttr.get([a for k, a in enumerate(ir.ArrayAttr(fn.attributes[key])) if k not in drop])
     for op in list(block.operations):  # slot reads nothing uses any more (their presents are written directly)
@@ -161,8 +218,13 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
         if op.name == "func.call" and ir.FlatSymbolRefAttr(op.attributes["callee"]).value.startswith(f"{_HELPER}slot_") \
                 and not list(op.results[0].uses):
             op.erase()
-    return StateSpec(STATE_GLOBAL, STATE_GETTER, [n, *entry.dims], onnx_dtype,
-                     [{"input": input_names[i], "output": output_names[o]} for i, o, _ in slots])
+    return [StateSpec(global_name(j), getter_name(j), [size, *entry.dims], onnx_dtype,
+                      [{"input": input_names[s.arg], "output": output_names[s.res]} for s in slots if s.group == j], axis)
+            for j, size in enumerate(sizes)]
+
+
+def _global_type(size: int, entry: VTensor) -> str:
+    return "tensor<" + "x".join(str(d) for d in [size, *entry.dims]) + "x" + entry.builtin_element + ">"
 
 
 def _position(block: ir.Block, op: ir.Operation) -> int:
@@ -172,16 +234,19 @@ def _position(block: ir.Block, op: ir.Operation) -> int:
     raise BackendError("stateful: a KV cache update is not in the entry function's body")
 
 
-def _helpers(slots, direct, gtype: str, entry: VTensor, r: int, axis: int | None, opset: str | None) -> str:
-    """The getter and the private helpers of :func:`make_stateful`, as one piece of MLIR (it loads the global,
-    which the module must hold already)."""
+def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis: int | None, opset: str | None) -> str:
+    """The getters and the private helpers of :func:`make_stateful`, as one piece of MLIR (it loads the
+    globals, which the module must hold already)."""
     attrs = f" attributes {{torch.onnx_meta.opset_version = {opset}}}" if opset else ""  # the torch pipeline wants it on every function
+    r = len(entry.dims)
     ones = ", ".join("1" for _ in range(r + 1))
     sizes = ", ".join(["1", *(str(d) for d in entry.dims)])
     t, b = entry.text, entry.builtin
-    out = [f"func.func @{STATE_GETTER}() -> {gtype}{attrs} {{\n  %s = util.global.load @{STATE_GLOBAL} : {gtype}\n  return %s : {gtype}\n}}"]
-    for k, _slot in enumerate(slots):
-        offs = ", ".join([str(k)] + ["0"] * r)
+    out = [f"func.func @{getter_name(j)}() -> {gtype}{attrs} {{\n  %s = util.global.load @{global_name(j)} : {gtype}\n"
+           f"  return %s : {gtype}\n}}" for j, gtype in enumerate(gtypes)]
+    for k, slot in enumerate(slots):
+        gtype = gtypes[slot.group]
+        offs = ", ".join([str(slot.index)] + ["0"] * r)
         out.append(f"func.func private @{_HELPER}slot_{k}(%s: {gtype}) -> {t}{attrs} {{\n"
                    f"  %e = tensor.extract_slice %s[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
                    f"  %v = torch_c.from_builtin_tensor %e : {b} -> {t}\n  return %v : {t}\n}}")
@@ -196,13 +261,13 @@ def _helpers(slots, direct, gtype: str, entry: VTensor, r: int, axis: int | None
         out.append(f"func.func private @{_HELPER}write_{k}(%s: {gtype}, %u: {t_u.text}, %p: {t_p.text}) -> ({gtype}, {t}){attrs} {{\n"
                    f"  %ub = torch_c.to_builtin_tensor %u : {t_u.text} -> {t_u.builtin}\n"
                    f"  %pb = torch_c.to_builtin_tensor %p : {t_p.text} -> {t_p.builtin}\n"
-                   + insert_rows_mlir("w", "%s", gtype, [str(k)], "%ub", t_u, "%pb", t_p, entry.dims[axis], axis, "%w") + "\n"
+                   + insert_rows_mlir("w", "%s", gtype, [str(slot.index)], "%ub", t_u, "%pb", t_p, entry.dims[axis], axis, "%w") + "\n"
                    f"  %e = tensor.extract_slice %w[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
                    f"  %v = torch_c.from_builtin_tensor %e : {b} -> {t}\n  return %w, %v : {gtype}, {t}\n}}")
     return "\n".join(out)
 
 
-def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> StateSpec:
+def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> list[StateSpec]:
     """:func:`make_stateful` for every static KV cache pair of the model (found from what the graph computes,
     :func:`rewrite.core.interface.cache_pairs`); record the state in ``manifest.state`` and drop the cache tensors
     from ``manifest.inputs``/``outputs``. The sequence axis is the one dim where a KVCacheUpdate writes, when the
@@ -226,10 +291,9 @@ def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> Sta
             if n.op_type == "KVCacheUpdate" and graph.values[n.inputs[0]].shape is not None}  # as the op reads it
     axis = axes.pop() if len(axes) == 1 else None
     with mod.context:
-        spec = make_stateful(mod, function, ins, outs, pairs, dtype, axis)
-    spec.axis = axis
+        specs = make_stateful(mod, function, ins, outs, pairs, dtype, axis)
     state_in, state_out = {p for p, _ in pairs}, {o for _, o in pairs}
     manifest.inputs = [d for d in manifest.inputs if d["name"] not in state_in]
     manifest.outputs = [d for d in manifest.outputs if d["name"] not in state_out]
-    manifest.state = [spec.to_json()]
-    return spec
+    manifest.state = [spec.to_json() for spec in specs]
+    return specs
