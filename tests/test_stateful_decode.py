@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import qwen_moe
 from rewrite.cli import cli
 from rewrite.backends.iree_stateful import group_sizes
-from rewrite.errors import BackendError
+from rewrite.errors import BackendError, InputError
 from rewrite.generate import GenerationError, Generator
 from rewrite.pipeline import apply
 
@@ -85,6 +85,10 @@ def test_position_guard_and_reset(lowered):
         gen.generate(list(range(10)), 32)
     gen.reset()
     assert gen.position == 0 and not gen.runner.read_state()["rewrite_kv_state"].any()
+    # compiled without the importer's shape assertions: an empty call is refused before the runtime sees it
+    assert "--iree-opt-strip-assertions" in (lowered["qwen2_moe"][0] / "compile.log").read_text().splitlines()[0]
+    with pytest.raises(InputError, match="input 'input_ids' has shape \\[1, 0\\]; a stateful module takes at least one token"):
+        gen.step(np.zeros((1, 0), np.int64))
 
 
 def test_cli_generate_matches_the_python_api(lowered):

@@ -28,9 +28,14 @@ from rewrite.core.feeds import input_specs, specs_of
 from rewrite.core.iree_lowering import PatchContext
 from rewrite.core.kernels import DEFAULT_CUDA_ARCH
 from rewrite.core.ir import Graph
-from rewrite.errors import BackendError
+from rewrite.errors import BackendError, InputError
 
 DEFAULT_PARAM_THRESHOLD = 4096  #: initializers with at least this many elements go to the .irpa
+#: For --stateful modules. The importer's shape assertions ("Expected dim size > 0" per dynamic dim, torch-mlir)
+#: become host branches that split a decode step into one command buffer, queue submission and transient
+#: allocation per assertion (iree-compile 3.13: 12 submissions per call of a 2-layer seed form, one without). A
+#: stateful module's only dynamic dim is the token count, checked by :class:`IreeRunner` instead (> 0, one size).
+STRIP_ASSERTIONS = "--iree-opt-strip-assertions"
 
 
 class IreeRunner:
@@ -53,7 +58,15 @@ class IreeRunner:
         self.defaults = _input_defaults(folder / manifest.model, [s.name for s in self.input_specs if s.default])
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Raises:
+            InputError: :func:`check_feeds` refuses the feeds, or a stateful module is given an empty input
+                (compiled without its shape assertions, :data:`STRIP_ASSERTIONS`)."""
         args = check_feeds(self.input_specs, feeds, self.where, self.decoder, self.defaults)
+        if self.state:
+            empty = next((n for n, a in args.items() if 0 in np.shape(a)), None)
+            if empty is not None:
+                raise InputError(f"{self.where}: input '{empty}' has shape {list(np.shape(args[empty]))}; a stateful "
+                                 "module takes at least one token per call")
         outs = self.module(*args.values(), function=self.function)
         return dict(zip(self.output_names, outs))
 
@@ -220,8 +233,10 @@ class IreeBackend:
         if used or options.get("stateful"):
             mod.verify(f"{res.mlir_path} after the lowerings{' and --stateful' if options.get('stateful') else ''}")
             res.mlir_path.write_text(mod.text())
-        compile_mlir(res.mlir_path, folder / "model.vmfb", target=manifest.target,
-                     extra_flags=[f"--iree-cuda-target={sm}"] if manifest.target == "cuda" else [])
+        flags = [f"--iree-cuda-target={sm}"] if manifest.target == "cuda" else []
+        if options.get("stateful"):
+            flags.append(STRIP_ASSERTIONS)
+        compile_mlir(res.mlir_path, folder / "model.vmfb", target=manifest.target, extra_flags=flags)
         if manifest.target == "cuda":
             manifest.target_options = {"cuda_sm": sm}
         else:  # llvm-cpu builds for this machine's CPU (--iree-llvmcpu-target-cpu=host)
