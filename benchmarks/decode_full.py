@@ -70,8 +70,8 @@ MAX_SEQ = 256
 #: lowering. "iree-t1": the fused model compiled for one token per call (``--dim seq_len=1``: static shapes let IREE
 #: pick its matrix-vector code for the dense MatMuls); its prefill is one call per prompt token.
 CONFIGS = {
-    "iree": ("iree", "quant4,cast,legalize,expand,kv,topk,moe", ()),
-    "iree-t1": ("iree", "quant4,cast,legalize,expand,kv,topk,moe", ("--dim", "seq_len=1")),
+    "iree": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ()),
+    "iree-t1": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ("--dim", "seq_len=1")),
     "iree-plain": ("iree", "quant4,cast,legalize,expand,kv", ()),
     "ort": ("ort", "quant4,cast,kv,topk,moe", ()),
 }

@@ -1,4 +1,4 @@
-"""Stateful KV cache on IREE: the model's cache inputs/outputs become module-level ``util.global``\ s.
+"""Stateful KV cache on IREE: the model's cache inputs/outputs become module-level ``util.global`` ops.
 
 Seed 000, "Stateful KV Cache": passing every layer's cache in and out of the compiled function costs copies
 of all of it per call (5.6 ms + 4.4 ms per step on the seed's GPU); keeping it in the VM module state gave

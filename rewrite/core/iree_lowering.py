@@ -1,7 +1,9 @@
 """What an abstract op's IREE lowering receives and returns (the contract between plugins and the ``iree``
 backend): the imported op (:class:`TorchOperator`, its operand and result types as :class:`VTensor`), where it is
 being lowered (:class:`PatchContext`), and the MLIR that replaces it (:class:`IreeLowering`); plus
-:func:`insert_rows_mlir`, the KV-cache row write that the KVCacheUpdate lowering and the stateful module share.
+:func:`insert_rows_mlir`, the KV-cache row write that the KVCacheUpdate lowering and the stateful module share,
+and :func:`rows_view` / :func:`rows_result` / :func:`row_count`, the [M, K] view of a MatMul's A, the [..., N]
+result and the row count M that the dense-MatMul lowerings share.
 
 The backend (:mod:`rewrite.backends.iree_patch`) finds the ops and splices the lowerings in.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from rewrite.core.kernels import DEFAULT_CUDA_ARCH
 from rewrite.errors import BackendError
@@ -183,3 +187,64 @@ def insert_rows_mlir(tag: str, dest: str, dest_type: str, lead: list[str], upd: 
         f"{out} = tensor.insert_slice {upd} into {dest}[{offsets}] [{', '.join(sizes)}] [{', '.join('1' for _ in sizes)}] : {upd_type.builtin} into {dest_type}",
     ]
     return "\n".join("    " + line for line in lines)
+
+
+def rows_view(a: VTensor, k: int) -> str:
+    """MLIR statements viewing operand 0 (``%in0``, type ``a`` = [..., K], rank >= 2, K static) as ``%a``
+    ``tensor<?xKxel>`` with ``%m`` (index) rows: the leading dims collapsed.
+
+    Raises:
+        BackendError: rank below 2.
+    """
+    dims, el = a.dims, a.builtin_element
+    if len(dims) < 2:
+        raise BackendError(f"a MatMul's A must have rank 2 or more, got {a.text}")
+    rows = f"tensor<?x{k}x{el}>"
+    lines = ["    %mc0 = arith.constant 0 : index"]
+    if len(dims) == 2:
+        lines.append(f"    %a = tensor.cast %in0 : {a.builtin} to {rows}")
+    else:
+        m = "?" if None in dims[:-1] else str(int(np.prod(dims[:-1])))
+        col = f"tensor<{m}x{k}x{el}>"
+        lines.append(f"    %acs = tensor.collapse_shape %in0 [[{', '.join(map(str, range(len(dims) - 1)))}], [{len(dims) - 1}]] : "
+                     f"{a.builtin} into {col}")
+        lines.append(f"    %a = tensor.cast %acs : {col} to {rows}")
+    lines.append(f"    %m = tensor.dim %a, %mc0 : {rows}")
+    return "\n".join(lines)
+
+
+def rows_result(a: VTensor, n: int, y: str, out: VTensor) -> str:
+    """MLIR statements defining ``%out0`` (type ``out``, [..., N]) from ``y`` ``tensor<?xNxel>``: the rows of
+    :func:`rows_view` expanded back to A's leading dims (``%in0_d<axis>`` for dynamic ones), then cast."""
+    dims, el = a.dims[:-1], a.builtin_element
+    lines, sizes = [], []
+    for i, d in enumerate(dims):
+        if d is None:
+            sizes.append(f"%in0_d{i}")
+        else:
+            lines.append(f"    %yd{i} = arith.constant {d} : index")
+            sizes.append(f"%yd{i}")
+    mid = "tensor<" + "?x" * len(dims) + f"{n}x{el}>"
+    groups = "[" + ", ".join(map(str, range(len(dims)))) + f"], [{len(dims)}]"
+    lines.append(f"    %ye = tensor.expand_shape {y} [{groups}] output_shape [{', '.join(sizes)}, {n}] : tensor<?x{n}x{el}> into {mid}")
+    lines.append(f"    %out0 = tensor.cast %ye : {mid} to {out.builtin}")
+    return "\n".join(lines)
+
+
+def row_count(a: VTensor, n: int) -> tuple[str, str, str]:
+    """For a ``flow.dispatch`` that takes operand 0 (``%in0``, [..., K]) as it is and returns [..., N]: (MLIR
+    statements defining ``%m``, the product of the leading dims as an index; the ``{...}`` list of ``%in0``'s
+    dynamic dims, ``%in0_d<axis>``, which the result shares; the result's builtin type)."""
+    dims = a.dims[:-1]
+    static = int(np.prod([d for d in dims if d is not None])) if dims else 1
+    dynamic = [f"%in0_d{i}" for i, d in enumerate(dims) if d is None]
+    if not dynamic:
+        lines = [f"    %m = arith.constant {static} : index"]
+    else:
+        lines, last = [f"    %m_s = arith.constant {static} : index"], "%m_s"
+        for j, d in enumerate(dynamic):
+            name = "%m" if j == len(dynamic) - 1 else f"%m_{j}"
+            lines.append(f"    {name} = arith.muli {last}, {d} : index")
+            last = name
+    result = "tensor<" + "".join(("?" if d is None else str(d)) + "x" for d in dims) + f"{n}x{a.builtin_element}>"
+    return "\n".join(lines), (f"{{{', '.join(dynamic)}}}" if dynamic else ""), result

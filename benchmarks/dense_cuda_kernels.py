@@ -1,0 +1,120 @@
+"""The dense-MatMul CUDA kernels launched directly (CuPy), without IREE: the matmul4 plugin's MatMulInt4 at the
+dense INT4 shapes of the seeds' models and the densemm plugin's DenseMatMul at their LM head, time per call against
+the copy bandwidth measured in the same run, and a check against each op's numpy reference. On the GPU machine
+(nvcc and CuPy, no IREE)::
+
+    python benchmarks/dense_cuda_kernels.py [--tokens 1,8,128]
+
+The kernels are launched as IREE launches them (``lower_iree_cuda``): the bindings' pointers, then the push
+constants as 32-bit integers, on the same grid. ``LAYERS`` weight sets (more bytes than the L2 holds) are used in
+turn, so each call reads its weight from HBM, as a decode step does; ``ITERS`` calls are captured in a CUDA graph
+and its replays timed with CUDA events (``timed`` of benchmarks/moe_cuda_kernels.py). Bytes per call: the weight
+(codes, scales and zero points for INT4), plus A and Y. Exits 1 when a kernel's output is off its reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, timed  # noqa: E402
+
+#: name -> (K, N): the dense INT4 MatMuls of one layer (Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json)
+SHAPES = {
+    "qwen1.5 q/k/v/o": (2048, 2048),
+    "qwen1.5 shared gate/up": (2048, 5632),
+    "qwen1.5 shared down": (5632, 2048),
+    "qwen3 q": (2048, 4096),
+    "qwen3 k/v": (2048, 512),
+    "qwen3 o": (4096, 2048),
+}
+#: name -> (K, N): the f16 LM heads (DenseMatMul), 151936-token vocabularies
+DENSE_SHAPES = {"qwen1.5 / qwen3 lm head": (2048, 151936)}
+BLOCK = 128
+LAYERS = 48
+DENSE_LAYERS = 4  #: 4 x 622 MB, ten times the L2
+
+
+def main() -> int:
+    import cupy as cp
+
+    from rewrite.plugins.densemm.op import DenseMatMul
+    from rewrite.plugins.matmul4.op import CUDA_THREADS, CUDA_TOKENS, MatMulInt4
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,8,128")
+    ap.add_argument("--reps", type=int, default=REPS)
+    args = ap.parse_args()
+    mod = cp.RawModule(code=(ROOT / "rewrite/plugins/matmul4/kernels/matmul4_cuda.cu").read_text(), backend="nvcc", options=("-O3",))
+    dense_mod = cp.RawModule(code=(ROOT / "rewrite/plugins/densemm/kernels/densemm_cuda.cu").read_text(), backend="nvcc", options=("-O3",))
+    bw = copy_bandwidth(cp)
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; {ITERS} calls per CUDA graph, median of {args.reps} replays; f16, "
+          f"block {BLOCK}, zero points")
+    print(f"{'shape':<24} {'K':>5} {'N':>5} {'T':>4} {'us':>8} {'MB':>7} {'GB/s':>6} {'of copy':>8}  check")
+    rng = np.random.default_rng(0)
+    failed = 0
+    for name, (k, n) in SHAPES.items():
+        nb = -(-k // BLOCK)
+        crng = cp.random.RandomState(k + n)
+        layers = [dict(w=crng.randint(0, 256, (n, k // 2), dtype=cp.uint8),
+                       s=(crng.uniform(0.5, 1.5, (n, nb)) * 0.02).astype(cp.float16),
+                       z=crng.randint(0, 16, (n, nb), dtype=cp.uint8)) for _ in range(LAYERS)]
+        host = {key: cp.asnumpy(v) for key, v in layers[0].items()}
+        vec = 32 if k % 32 == 0 and BLOCK % 32 == 0 else 8
+        kernel = mod.get_function(f"matmul_int4_f16_v{vec}")
+        for t in (int(v) for v in args.tokens.split(",")):
+            a = rng.standard_normal((t, k)).astype(np.float16)
+            da, y = cp.asarray(a), cp.zeros((t, n), cp.float16)
+            grid = (-(-n // (CUDA_THREADS // 32)), -(-t // CUDA_TOKENS))
+            consts = [np.int32(c) for c in (t, k, n, BLOCK, 1)]
+
+            def launch(layer: int) -> None:
+                d = layers[layer]
+                kernel(grid, (CUDA_THREADS,), (da, d["w"], d["s"], d["z"], y, *consts))
+
+            launch(0)
+            cp.cuda.Device().synchronize()
+            want = MatMulInt4().reference(dict(K=k, N=n, block_size=BLOCK), a, host["w"], host["s"], host["z"])[0]
+            got = cp.asnumpy(y).astype(np.float64)
+            err = float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
+            ok = err <= 1e-2
+            failed += not ok
+            us = timed(cp, [lambda i=i: launch(i % LAYERS) for i in range(ITERS)], args.reps)
+            nbytes = host["w"].nbytes + host["s"].nbytes + host["z"].nbytes + a.nbytes + t * n * 2
+            print(f"{name:<24} {k:>5} {n:>5} {t:>4} {us:>8.1f} {nbytes / 1e6:>7.2f} {nbytes / us / 1e3:>6.0f} "
+                  f"{nbytes / us / 1e3 / (bw / 1e9):>8.1%}  rel. error {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+    dense = dense_mod.get_function("dense_matmul_f16")
+    for name, (k, n) in DENSE_SHAPES.items():
+        crng = cp.random.RandomState(k)
+        weights = [(crng.standard_normal((n, k), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(DENSE_LAYERS)]
+        host = cp.asnumpy(weights[0])
+        for t in (int(v) for v in args.tokens.split(",")):
+            a = rng.standard_normal((t, k)).astype(np.float16)
+            da, y = cp.asarray(a), cp.zeros((t, n), cp.float16)
+            grid = (-(-n // (CUDA_THREADS // 32)), -(-t // CUDA_TOKENS))
+
+            def launch_dense(layer: int) -> None:
+                dense(grid, (CUDA_THREADS,), (da, weights[layer], y, np.int32(t), np.int32(k), np.int32(n)))
+
+            launch_dense(0)
+            cp.cuda.Device().synchronize()
+            want = DenseMatMul().reference({}, a, host)[0]
+            err = float(np.abs(cp.asnumpy(y).astype(np.float64) - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
+            ok = err <= 1e-2
+            failed += not ok
+            us = timed(cp, [lambda i=i: launch_dense(i % DENSE_LAYERS) for i in range(ITERS)], args.reps)
+            nbytes = host.nbytes + a.nbytes + t * n * 2
+            print(f"{name:<24} {k:>5} {n:>6} {t:>4} {us:>8.1f} {nbytes / 1e6:>7.2f} {nbytes / us / 1e3:>6.0f} "
+                  f"{nbytes / us / 1e3 / (bw / 1e9):>8.1%}  rel. error {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

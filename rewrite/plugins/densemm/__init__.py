@@ -1,0 +1,82 @@
+"""``densemm``: a MatMul by a large constant float weight becomes ``ai.rewrite::DenseMatMul``.
+
+Matches ``MatMul(A, W)`` with ``W`` a float initializer ``[K, N]`` of at least :data:`MIN_ELEMENTS` elements read by
+that MatMul only (a tied embedding is left alone: its transposed copy would double its bytes), and A of A's own float type (f32/f16), of rank 2 or more ending in K: the LM head of a model whose
+other weights ``quant4`` made INT4 (``matmul4``), or every projection of a float model. The op keeps the weight
+transposed, ``[N, K]``, rows along K. Contract and lowerings: :mod:`rewrite.plugins.densemm.op`.
+
+Why: on IREE's cuda target the op's kernel reads each weight byte once per decode step; iree-compile 3.13 runs
+the LM head MatMul of Qwen1.5-MoE at 230 GB/s on an H200 (BENCHMARKS.md, "Full-size decode on the H200"). Runs
+after ``quant4`` (which quantizes what it can first), ``topk`` and ``moe`` (which read the router's MatMul).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from rewrite.core.abstract_ops import DOMAIN
+from rewrite.core.ir import dtype_name
+from rewrite.core.rules import rule
+from rewrite.plugins.base import KernelObject, Plugin
+from rewrite.plugins.densemm.op import DenseMatMul
+
+MIN_ELEMENTS = 1 << 20  #: smaller weights (routers, [2048, 60] in Qwen1.5-MoE) stay MatMuls
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+@rule("dense-float-matmul")
+def dense_float_matmul(op, a, w):
+    """MatMul(A, W [K, N] float initializer) -> DenseMatMul(A, W^T)."""
+    return op.MatMul(a, w, _name="mm")
+
+
+@dense_float_matmul.check
+def _(m):
+    mm = m.node("mm")
+    w, wv, av = m.graph.const(m["w"]), m.value("w"), m.value("a")
+    if w is None or not wv.is_initializer:
+        return m.fail(f"B '{m['w']}' is not an initializer", mm)
+    if wv.dtype not in _FLOATS or w.ndim != 2:
+        return m.fail(f"B '{m['w']}' is {dtype_name(wv.dtype)} of rank {w.ndim}; a float [K, N] weight expected", mm)
+    if w.size < MIN_ELEMENTS:
+        return m.fail(f"B '{m['w']}' has {w.size} elements, fewer than {MIN_ELEMENTS}", mm)
+    if av.dtype != wv.dtype:
+        return m.fail(f"A is {dtype_name(av.dtype)}, B {dtype_name(wv.dtype)}", mm)
+    if av.shape is None or len(av.shape) < 2 or av.shape[-1] not in (w.shape[0], None):
+        return m.fail(f"A '{m['a']}' has shape {av.shape}; rank 2 or more ending in K={w.shape[0]} expected", mm)
+    if len(m.graph.uses(m["w"])) != 1:
+        return m.fail(f"B '{m['w']}' is read elsewhere too (a tied embedding, a shared weight): not copied", mm)
+
+
+@dense_float_matmul.rewrite
+def _(m, b):
+    w = m.graph.const(m["w"])
+    m.graph.ensure_opset(DOMAIN)
+    out = m.graph.values[m.node("mm").outputs[0]]
+    return b.op("DenseMatMul", [m["a"], b.const(np.ascontiguousarray(w.T), "weight")], domain=DOMAIN,
+                dtype=out.dtype, shape=out.shape)
+
+
+class DenseMM(Plugin):
+    name = "dense-float-matmul"
+    short = "densemm"
+    # quant4 quantizes weights first; topk and moe read the router MatMul (small: never matched, but declared)
+    runs_after = ("quant4", "topk", "moe")
+    description = "MatMul by a large constant float weight (the LM head) -> DenseMatMul (a warp per column on CUDA)"
+    opset_range = (13, 28)
+    kernels = (KernelObject("dense_matmul_f32/f16", "iree", "cuda", "kernels/densemm_cuda.cu"),)
+
+    @property
+    def rules(self):
+        return [dense_float_matmul]
+
+    @property
+    def abstract_ops(self):
+        return [DenseMatMul()]
+
+    @property
+    def cases(self):
+        from rewrite.plugins.densemm.cases import densemm_cases
+
+        return densemm_cases()

@@ -1,0 +1,109 @@
+// MatMulInt4 CUDA kernel for IREE's cuda target (extern dispatch; PTX for sm_80, which sm_90 runs).
+//
+// IREE CUDA dispatch ABI (samples/custom_dispatch/cuda/kernels in IREE): the bindings' base pointers in binding
+// order, then each push constant as a 32-bit integer: m, k, n, bs, has_zp.
+// Layouts: the contract of ai.rewrite::MatMulInt4 (rewrite/plugins/matmul4/op.py):
+//   x [M, K] float (f32 or f16), w [N, K/2] uint8: INT4 codes two per byte along K, even element in the low
+//   nibble (ORT MatMulNBits / QMoE packing), s [N, nb] x's type, z [N, nb] uint8 zero points (8 when has_zp is
+//   0), y [M, N] x's type: y[m, n] = sum_k x[m, k] * (code[n, k] - z[n, k / bs]) * s[n, k / bs], summed in f32.
+//
+// Grid (ceil(N / WARPS), ceil(M / TOKENS)), THREADS threads: warp w of workgroup (i, j) computes row
+// n = i * WARPS + w for tokens j * TOKENS .. + TOKENS - 1, so the weight row is read once per TOKENS tokens and a
+// decode step (M = 1) reads each weight byte once, dequantized inside the dot product (seed 000, "warp-per-row
+// matvec"). Each lane takes VEC consecutive codes of the row per step (VEC = 32: one 16-byte load, when K and
+// the block size are multiples of 32; else VEC = 8: one 4-byte load, K and the block size multiples of 8, which
+// the lowering checks), so a step's codes share one block's scale and zero point.
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define THREADS 256  // CUDA_THREADS in op.py
+#define WARPS (THREADS / 32)
+#define TOKENS 8     // CUDA_TOKENS in op.py
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+
+// VEC / 8 words of 8 codes each; code i of a word sits at bits 4i.
+template <int VEC>
+__device__ __forceinline__ void load_codes(const uint8_t* p, uint32_t* words) {
+  if (VEC == 32) {
+    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
+  } else {
+    words[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
+  }
+}
+
+// 8 consecutive elements of x as floats (16-byte aligned for f16, 32 for f32).
+__device__ __forceinline__ void load8(const __half* p, float* out) {
+  uint4 v = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __half22float2(h[i]);
+    out[2 * i] = f.x, out[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float* out) {
+  float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+}
+
+template <typename T, int VEC>
+__device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint8_t* z, T* y, int M, int K, int N,
+                            int bs, int has_zp) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  const int m0 = blockIdx.y * TOKENS;
+  if (n >= N) return;
+  const int tokens = min(TOKENS, M - m0);
+  const int nb = (K + bs - 1) / bs;
+  const uint8_t* row = w + (size_t)n * (K / 2);
+  float acc[TOKENS];
+#pragma unroll
+  for (int t = 0; t < TOKENS; ++t) acc[t] = 0.f;
+#pragma unroll 2
+  for (int k = lane * VEC; k < K; k += 32 * VEC) {
+    uint32_t words[VEC / 8];
+    load_codes<VEC>(row + k / 2, words);
+    const int b = n * nb + k / bs;
+    const float scale = to_f(s[b]);
+    const float shift = -(has_zp ? (float)z[b] : 8.f) * scale;  // (code - zp) * scale = code * scale + shift
+#pragma unroll
+    for (int g = 0; g < VEC / 8; ++g) {
+      float wf[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wf[i] = fmaf((float)((words[g] >> (4 * i)) & 15u), scale, shift);
+#pragma unroll
+      for (int t = 0; t < TOKENS; ++t) {
+        if (t < tokens) {
+          float xv[8];
+          load8(x + (size_t)(m0 + t) * K + k + 8 * g, xv);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[t] = fmaf(xv[i], wf[i], acc[t]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < TOKENS; ++t) {
+    float v = acc[t];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0 && t < tokens) store(y + (size_t)(m0 + t) * N + n, v);
+  }
+}
+
+#define KERNEL(name, T, VEC)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(THREADS) name(const T* x, const uint8_t* w, const T* s,        \
+                                                             const uint8_t* z, T* y, int m, int k, int n,     \
+                                                             int bs, int has_zp) {                            \
+    matmul_int4<T, VEC>(x, w, s, z, y, m, k, n, bs, has_zp);                                                  \
+  }
+
+KERNEL(matmul_int4_f16_v32, __half, 32)
+KERNEL(matmul_int4_f16_v8, __half, 8)
+KERNEL(matmul_int4_f32_v32, float, 32)
+KERNEL(matmul_int4_f32_v8, float, 8)

@@ -1,0 +1,58 @@
+"""The ``densemm`` plugin on a seed form whose LM head is large enough (vocabulary 4096 x hidden 256 = 2^20
+elements): exactly the LM head becomes DenseMatMul, IREE llvm-cpu decodes the quantized model's greedy tokens, ONNX
+Runtime gets the MatMul back, and the CUDA lowering compiles (shipped PTX, no GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from rewrite.generate import Generator
+from rewrite.pipeline import apply
+
+PROMPT = [3, 141, 59, 26, 5]
+FUSED = "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe"
+
+
+@pytest.fixture(scope="module")
+def seed_big_vocab(tmp_path_factory):
+    import seed_form
+
+    model, _ = seed_form.build_seed_model("fp32", vocab=4096)
+    return seed_form.save_seed_model(model, tmp_path_factory.mktemp("densemm") / "seed.onnx")
+
+
+def _ops(folder, op_type: str) -> int:
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    return sum(n.op_type == op_type for n in model.graph.node)
+
+
+def test_the_lm_head_alone_is_fused_and_decodes_like_the_quantized_model(seed_big_vocab, tmp_path):
+    apply(seed_big_vocab, tmp_path / "ref", plugins="quant4", backend="ort", options={"ort_matmul_nbits": False})
+    m = apply(seed_big_vocab, tmp_path / "iree", plugins=FUSED, backend="iree", options={"stateful": True})
+    (report,) = [r for r in m.report if r["plugin"] == "densemm"]
+    assert report["matches"] == 1  # the LM head; the routers ([256, 8]) are far below MIN_ELEMENTS
+    assert _ops(tmp_path / "iree", "DenseMatMul") == 1
+    got = Generator(tmp_path / "iree").generate(PROMPT, 8)
+    ref = Generator.reference(tmp_path / "ref" / "model.onnx").generate(PROMPT, 8)
+    assert got.tokens == ref.tokens
+    assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4
+
+
+def test_ort_gets_the_matmul_back(seed_big_vocab, tmp_path):
+    apply(seed_big_vocab, tmp_path / "plain", backend="ort")
+    apply(seed_big_vocab, tmp_path / "d", plugins="densemm", backend="ort")
+    assert _ops(tmp_path / "d", "MatMul") == _ops(tmp_path / "plain", "MatMul")
+    a, b = Generator(tmp_path / "d").generate(PROMPT, 4), Generator(tmp_path / "plain").generate(PROMPT, 4)
+    assert a.tokens == b.tokens
+    assert max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a.logits, b.logits)) == 0.0
+
+
+@pytest.mark.slow
+def test_cuda_lowering_compiles(seed_big_vocab, tmp_path):
+    m = apply(seed_big_vocab, tmp_path / "cuda", plugins=FUSED, backend="iree", target="cuda", options={"stateful": True})
+    mlir = (tmp_path / "cuda" / "model.mlir").read_text()
+    assert mlir.count("flow.dispatch @densemm_exec_f32::@dense_matmul_f32") == 1
+    assert any(k.startswith("kernels/densemm_cuda-") for k in m.kernel_objects)
+    assert (tmp_path / "cuda" / "model.vmfb").stat().st_size > 0
