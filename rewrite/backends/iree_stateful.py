@@ -65,7 +65,7 @@ def group_sizes(n: int, cap: int = MAX_SLOTS_PER_GLOBAL) -> list[int]:
     (strictly decreasing, so that no two globals share a type; module docstring).
 
     Raises:
-        ValueError: ``n`` < 1 or ``cap`` < 1.
+        ValueError: ``n`` < 1 or ``cap`` < 1, or more than ``cap * (cap + 1) / 2`` slots (cap, cap - 1, ..., 1).
     """
     if n < 1 or cap < 1:
         raise ValueError(f"group_sizes: need n >= 1 and cap >= 1, got n={n}, cap={cap}")
