@@ -52,8 +52,11 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,8,128")
     ap.add_argument("--reps", type=int, default=REPS)
     args = ap.parse_args()
-    mod = cp.RawModule(code=(ROOT / "rewrite/plugins/matmul4/kernels/matmul4_cuda.cu").read_text(), backend="nvcc", options=("-O3",))
-    dense_mod = cp.RawModule(code=(ROOT / "rewrite/plugins/densemm/kernels/densemm_cuda.cu").read_text(), backend="nvcc", options=("-O3",))
+    def module(source: Path):  # from a string: its quoted includes resolve against its folder, given with -I
+        return cp.RawModule(code=source.read_text(), backend="nvcc", options=("-O3", f"-I{source.parent}"))
+
+    mod = module(ROOT / "rewrite/plugins/matmul4/kernels/matmul4_cuda.cu")
+    dense_mod = module(ROOT / "rewrite/plugins/densemm/kernels/densemm_cuda.cu")
     bw = copy_bandwidth(cp)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; {ITERS} calls per CUDA graph, median of {args.reps} replays; f16, "
           f"block {BLOCK}, zero points")

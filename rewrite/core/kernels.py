@@ -41,8 +41,9 @@ def cache_dir() -> Path:
 
 
 def _digest(source: Path, flags: tuple[str, ...]) -> str:
-    """Digest of ``source``, the files it includes by a quoted path beside it (one level: a CUDA kernel that
-    includes the C kernel it is built from), and ``flags``."""
+    """Digest of ``source``, the files it includes by a quoted path relative to its folder (one level: a CUDA
+    kernel that includes the C kernel it is built from, or the plugins' shared ``rewrite/plugins/kernels/*.h``),
+    and ``flags``."""
     text = source.read_bytes()
     included = [source.parent / m.decode() for m in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, flags=re.M)]
     data = text + b"".join(p.read_bytes() for p in included if p.is_file())

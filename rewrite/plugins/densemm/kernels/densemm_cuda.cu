@@ -14,25 +14,11 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "../../kernels/cuda_rows.h"  // load8, store
+
 #define THREADS 256  // CUDA_THREADS in op.py
 #define WARPS (THREADS / 32)
 #define TOKENS 8     // CUDA_TOKENS in op.py
-
-__device__ __forceinline__ void load8(const __half* p, float* out) {
-  uint4 v = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 f = __half22float2(h[i]);
-    out[2 * i] = f.x, out[2 * i + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void load8(const float* p, float* out) {
-  float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
-}
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
 template <typename T>
 __device__ void dense_matmul(const T* x, const T* w, T* y, int M, int K, int N) {
