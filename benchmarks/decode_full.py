@@ -72,6 +72,8 @@ MAX_SEQ = 256
 CONFIGS = {
     "iree": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ()),
     "iree-t1": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ("--dim", "seq_len=1")),
+    "iree-t1-nomerge": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe",
+                        ("--dim", "seq_len=1", "--opt", "matmul4.merge=false")),
     "iree-plain": ("iree", "quant4,cast,legalize,expand,kv", ()),
     "ort": ("ort", "quant4,cast,kv,topk,moe", ()),
 }
@@ -403,7 +405,7 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None) -> in
         shutil.rmtree(folder, ignore_errors=True)
         res["wall_s"] = time.perf_counter() - t0
         out.write_text(json.dumps(res) + "\n")
-        print(f"  {name}: {json.dumps({k: v for k, v in res.items() if k not in ('tokens', 'profile', 'logits')})}", flush=True)
+        print(f"  {out.stem}: {json.dumps({k: v for k, v in res.items() if k not in ('tokens', 'profile', 'logits')})}", flush=True)
         for row in res.get("profile", [])[:12]:
             print(f"    {row['us_per_token']:9.1f} us/token {row['launches_per_token']:6.1f}x  {row['kernel'][:100]}")
     return report(work, cfg)
@@ -437,7 +439,7 @@ def report(work: Path, cfg) -> int:
     if bw:
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {nbytes / 1e9:.2f} GB per decode token: speed of light "
               f"{bw / nbytes:.0f} tok/s")
-    print(f"{'config':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'of light':>9} {'GPU us/token':>13} "
+    print(f"{'config':<16} {'prefill tok/s':>14} {'decode tok/s':>13} {'of light':>9} {'GPU us/token':>13} "
           f"{'launches':>9}  check against ONNX Runtime CPU")
     status = 0
     for name in (*CONFIGS, "torch"):
@@ -457,7 +459,7 @@ def report(work: Path, cfg) -> int:
                 status = 1
         prof = r.get("profile") or []
         gpu = f"{sum(k['us_per_token'] for k in prof):13.0f} {sum(k['launches_per_token'] for k in prof):9.0f}" if prof else f"{'':13} {'':9}"
-        print(f"{name:<12} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {light} {gpu}  {check}")
+        print(f"{name:<16} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {light} {gpu}  {check}")
     return status
 
 

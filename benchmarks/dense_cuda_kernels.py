@@ -34,6 +34,9 @@ SHAPES = {
     "qwen3 q": (2048, 4096),
     "qwen3 k/v": (2048, 512),
     "qwen3 o": (4096, 2048),
+    "qwen1.5 q+k+v merged": (2048, 6144),  # the shared-input merge: one launch over the members' columns
+    "qwen1.5 gate+up merged": (2048, 11264),
+    "qwen3 q+k+v merged": (2048, 5120),
 }
 #: name -> (K, N): the f16 LM heads (DenseMatMul), 151936-token vocabularies
 DENSE_SHAPES = {"qwen1.5 / qwen3 lm head": (2048, 151936)}
@@ -71,12 +74,12 @@ def main() -> int:
                        z=crng.randint(0, 16, (n, nb), dtype=cp.uint8)) for _ in range(LAYERS)]
         host = {key: cp.asnumpy(v) for key, v in layers[0].items()}
         vec = 32 if k % 32 == 0 and BLOCK % 32 == 0 else 8
-        kernel = mod.get_function(f"matmul_int4_f16_v{vec}")
         for t in (int(v) for v in args.tokens.split(",")):
+            kernel = mod.get_function(f"matmul_int4_f16_v{vec}" + ("_t1" if t == 1 else ""))  # as the lowering picks
             a = rng.standard_normal((t, k)).astype(np.float16)
             da, y = cp.asarray(a), cp.zeros((t, n), cp.float16)
-            grid = (-(-n // (CUDA_THREADS // 32)), -(-t // CUDA_TOKENS))
-            consts = [np.int32(c) for c in (t, k, n, BLOCK, 1)]
+            grid = (-(-n // (CUDA_THREADS // 32)), t if t == 1 else -(-t // CUDA_TOKENS))
+            consts = [np.int32(c) for c in (t, k, n, BLOCK, 1, n, 0)]  # m, k, n, bs, has_zp, n0, n1 (one output)
 
             def launch(layer: int) -> None:
                 d = layers[layer]

@@ -1,6 +1,7 @@
-"""The ``matmul4`` plugin on the seed form after ``quant4``: every dense INT4 MatMul becomes MatMulInt4 (exact
-counts), IREE llvm-cpu decodes the quantized model's greedy tokens, ONNX Runtime gets the same MatMulNBits as
-without the plugin, and the CUDA lowering compiles (shipped PTX, no GPU)."""
+"""The ``matmul4`` plugin on the seed form after ``quant4``: every dense INT4 MatMul becomes MatMulInt4 and those
+reading one activation are merged (exact counts), IREE llvm-cpu decodes the quantized model's greedy tokens, ONNX
+Runtime gets the same MatMulNBits as without the plugin (merged ones: one per merged node, the same logits), and
+the CUDA lowering compiles (shipped PTX, no GPU)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from rewrite.pipeline import apply
 PROMPT = [3, 141, 59, 26, 5]
 #: per layer of the seed form: q, k, v, o and the shared expert's gate, up and down projections
 DENSE_PER_LAYER = 7
+#: after the shared-input merge: q/k/v as one, o, the shared expert's gate/up as one, down
+MERGED_PER_LAYER = 4
 FUSED = "quant4,matmul4,cast,legalize,expand,kv,topk,moe"
 
 
@@ -34,8 +37,10 @@ def quantized(seed_fp32, tmp_path_factory):
 def test_every_dense_int4_matmul_is_fused(quantized):
     base, m = quantized
     (report,) = [r for r in m.report if r["plugin"] == "matmul4"]
-    assert report["matches"] == DENSE_PER_LAYER * 2 and report["rules"][0]["refusals"] == []
-    assert _ops(base / "iree", "MatMulInt4") == DENSE_PER_LAYER * 2
+    rules = {r["rule"]: r for r in report["rules"]}
+    assert rules["dense-int4-matmul"]["matches"] == DENSE_PER_LAYER * 2 and rules["dense-int4-matmul"]["refusals"] == []
+    assert rules["shared-input"]["matches"] == 2 * 2
+    assert _ops(base / "iree", "MatMulInt4") == MERGED_PER_LAYER * 2
     assert _ops(base / "iree", "DequantizeLinear") == 0  # the experts' go into FusedMoE, the dense ones here
 
 
@@ -50,28 +55,34 @@ def test_iree_decodes_the_quantized_models_tokens(quantized):
 
 def test_ort_runs_the_same_matmulnbits(seed_fp32, tmp_path):
     """The ORT lowering gives back quant4's DequantizeLinear -> MatMul pairs, which the ort backend fuses into
-    MatMulNBits as it does without the plugin: the same op counts and the same logits."""
+    MatMulNBits as it does without the plugin: the same op counts without the merge, one per merged node with it,
+    and the same logits either way."""
     apply(seed_fp32[0], tmp_path / "plain", plugins="quant4", backend="ort")
-    apply(seed_fp32[0], tmp_path / "m4", plugins="quant4,matmul4", backend="ort")
-    assert _ops(tmp_path / "m4", "MatMulNBits") == _ops(tmp_path / "plain", "MatMulNBits") >= DENSE_PER_LAYER * 2
-    assert _ops(tmp_path / "m4", "MatMulInt4") == 0
-    a = Generator(tmp_path / "m4").generate(PROMPT, 4)
+    apply(seed_fp32[0], tmp_path / "m4", plugins="quant4,matmul4", backend="ort", options={"matmul4": {"merge": False}})
+    apply(seed_fp32[0], tmp_path / "merged", plugins="quant4,matmul4", backend="ort")
+    assert _ops(tmp_path / "m4", "MatMulNBits") == _ops(tmp_path / "plain", "MatMulNBits") == DENSE_PER_LAYER * 2
+    assert _ops(tmp_path / "merged", "MatMulNBits") == MERGED_PER_LAYER * 2
+    assert _ops(tmp_path / "merged", "Split") - _ops(tmp_path / "plain", "Split") == 2 * 2
     b = Generator(tmp_path / "plain").generate(PROMPT, 4)
-    assert a.tokens == b.tokens
-    assert max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a.logits, b.logits)) < 1e-5
+    for folder in ("m4", "merged"):
+        assert _ops(tmp_path / folder, "MatMulInt4") == 0
+        a = Generator(tmp_path / folder).generate(PROMPT, 4)
+        assert a.tokens == b.tokens
+        assert max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a.logits, b.logits)) < 1e-5
 
 
 def test_plugin_order_is_declared(seed_fp32, tmp_path):
     """matmul4 runs after quant4 and before legalize whatever the order given: the same matches."""
     m = apply(seed_fp32[0], tmp_path / "o", plugins="legalize,matmul4,quant4", backend="ort")
     assert m.plugins == ["quant4", "matmul4", "legalize"]
-    assert [r["matches"] for r in m.report if r["plugin"] == "matmul4"] == [DENSE_PER_LAYER * 2]
+    assert [r["matches"] for r in m.report if r["plugin"] == "matmul4"] == [DENSE_PER_LAYER * 2 + 2 * 2]
 
 
 @pytest.mark.slow
 def test_cuda_lowering_compiles(tmp_path):
-    """iree --target cuda on a 6-layer f16 seed form: one dispatch of the shipped PTX kernel per MatMulInt4, and the
-    module compiles (no GPU). Reshapes around these dispatches made iree-compile 3.13 fail from 6 layers up
+    """iree --target cuda on a 6-layer f16 seed form: one dispatch of the shipped PTX kernel per MatMulInt4 (the
+    merged q/k/v through the three-output kernel, gate/up through the two-output one), and the module compiles (no
+    GPU). Reshapes around these dispatches made iree-compile 3.13 fail from 6 layers up
     ("failed to sink reshape ops"); the dispatch takes A and returns Y in their own shapes."""
     import seed_form
 
@@ -80,7 +91,9 @@ def test_cuda_lowering_compiles(tmp_path):
     path = seed_form.save_seed_model(model, tmp_path / "seed6.onnx")
     m = apply(path, tmp_path / "cuda", plugins=FUSED, backend="iree", target="cuda", options={"stateful": True})
     mlir = (tmp_path / "cuda" / "model.mlir").read_text()
-    assert mlir.count("flow.dispatch @matmul4_exec_f16_v32::@matmul_int4_f16_v32") == DENSE_PER_LAYER * 6
+    assert mlir.count("flow.dispatch @matmul4_exec_f16_v32::@matmul_int4_f16_v32[") == 2 * 6
+    assert mlir.count("flow.dispatch @matmul4_exec_f16_v32_o3::@matmul_int4_f16_v32_o3[") == 6
+    assert mlir.count("flow.dispatch @matmul4_exec_f16_v32_o2::@matmul_int4_f16_v32_o2[") == 6
     wrapper = mlir.split("func.func private @rewrite_MatMulInt4_0", 1)[1].split("\n  }", 1)[0]
     assert "flow.dispatch" in wrapper and "collapse_shape" not in wrapper and "expand_shape" not in wrapper
     assert any(k.startswith("kernels/matmul4_cuda-") for k in m.kernel_objects)

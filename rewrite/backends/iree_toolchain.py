@@ -375,6 +375,8 @@ class IreeModule:
                 f"cannot load {self.vmfb_path} (params {self.params_path}, driver {driver}): {_first_line(e)}"
             ) from None
         self._modules = modules  # dependencies before the module that imports them
+        self._staging: dict[int, object] = {}  # byte size -> host-local buffer results are copied through
+        self._copies: list | None = None  # [semaphore, last value] ordering those copies
         # `__init` runs once per context; `NAME$async` is the fence-taking twin of `NAME`.
         self.function_names: tuple[str, ...] = tuple(
             n for n in self._main.function_names if not n.startswith("__") and "$" not in n
@@ -443,7 +445,40 @@ class IreeModule:
             results = ()
         elif not isinstance(results, tuple):
             results = (results,)
-        return [_to_host(r, self._device) for r in results]
+        return [self._to_host(r) for r in results]
+
+    def _to_host(self, result) -> np.ndarray:
+        """A host copy of one result. A device-local buffer (CUDA) is copied into a host-local staging buffer
+        kept per byte size for the module's life, then out of it, instead of page-locked host memory allocated
+        and freed by the driver in every call (a decode step of Qwen1.5-MoE-A2.7B on an H200 took 9.5 ms with
+        that, 8.6 ms without, together with the one-row MatMulInt4 kernels: BENCHMARKS.md). Not
+        ``DeviceArray.to_host``, which registers a fresh numpy array with the driver (``import_host_allocation``):
+        CUDA registers whole pages, so a second small result whose array shares a page with a still-registered one
+        fails with ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` (seen on an H200 with iree-base-runtime 3.13,
+        depending on where numpy placed the arrays)."""
+        view = getattr(result, "_buffer_view", None)
+        if view is None or result._is_mappable():
+            return np.array(result.to_host(), copy=True)  # host-visible (local-task): mapped, then copied
+        source = view.get_buffer()
+        size = source.byte_length()
+        host = self._staging.get(size)
+        if host is None:
+            host = self._staging[size] = self._device.allocator.allocate_buffer(
+                memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+                allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+                allocation_size=size,
+            )
+        if self._copies is None:
+            self._copies = [self._device.create_semaphore(0), 0]
+        sem, value = self._copies
+        self._copies[1] = value + 1
+        self._device.queue_copy(source, host, wait_semaphores=rt.HalFence.create_at(sem, value),
+                                signal_semaphores=rt.HalFence.create_at(sem, value + 1))
+        rt.HalFence.create_at(sem, value + 1).wait()
+        raw = rt.HalElementType.map_to_dtype(view.element_type)
+        out = np.array(host.map().asarray(view.shape, raw), copy=True)
+        override = getattr(result, "_override_dtype", None)  # bool results: stored as bytes
+        return out.astype(override) if override is not None and override != raw else out
 
     @property
     def device(self) -> "rt.HalDevice":
@@ -467,31 +502,6 @@ class IreeModule:
         if function not in self.function_names:
             raise ValueError(f"{self.vmfb_path} has no function {function!r}; it has {list(self.function_names)}")
         return function
-
-
-def _to_host(result, device: "rt.HalDevice") -> np.ndarray:
-    """A host copy of one result. A device-local buffer (CUDA) goes through a staging buffer the allocator makes,
-    not through ``DeviceArray.to_host``, which registers a fresh numpy array with the driver
-    (``import_host_allocation``): CUDA registers whole pages, so a second small result whose array shares a page
-    with a still-registered one fails with ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` (seen on an H200 with
-    iree-base-runtime 3.13, depending on where numpy placed the arrays)."""
-    view = getattr(result, "_buffer_view", None)
-    if view is None or result._is_mappable():
-        return np.array(result.to_host(), copy=True)  # host-visible (local-task): mapped, then copied
-    source = view.get_buffer()
-    host = device.allocator.allocate_buffer(
-        memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
-        allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
-        allocation_size=source.byte_length(),
-    )
-    sem = device.create_semaphore(0)
-    device.queue_copy(source, host, wait_semaphores=rt.HalFence.create_at(sem, 0),
-                      signal_semaphores=rt.HalFence.create_at(sem, 1))
-    rt.HalFence.create_at(sem, 1).wait()
-    raw = rt.HalElementType.map_to_dtype(view.element_type)
-    out = np.array(host.map().asarray(view.shape, raw), copy=True)
-    override = getattr(result, "_override_dtype", None)  # bool results: stored as bytes
-    return out.astype(override) if override is not None and override != raw else out
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,8 +1,9 @@
 """What an abstract op's IREE lowering receives and returns (the contract between plugins and the ``iree``
 backend): the imported op (:class:`TorchOperator`, its operand and result types as :class:`VTensor`), where it is
 being lowered (:class:`PatchContext`), and the MLIR that replaces it (:class:`IreeLowering`); plus
-:func:`insert_rows_mlir`, the KV-cache row write that the KVCacheUpdate lowering and the stateful module share,
-and :func:`rows_view` / :func:`rows_result` / :func:`row_count`, the [M, K] view of a MatMul's A, the [..., N]
+:func:`kernel_bindings`, the binding list of an extern kernel's layout,
+:func:`insert_rows_mlir`, the KV-cache row write (position read on the device) that the KVCacheUpdate lowering
+and the stateful module share, and :func:`rows_view` / :func:`rows_result` / :func:`row_count`, the [M, K] view of a MatMul's A, the [..., N]
 result and the row count M that the dense-MatMul lowerings share.
 
 The backend (:mod:`rewrite.backends.iree_patch`) finds the ops and splices the lowerings in.
@@ -148,44 +149,98 @@ class PatchContext:
 
 
 
+def kernel_bindings(read_only: int, written: int) -> str:
+    """The ``bindings = [...]`` entries of an extern kernel's ``#hal.pipeline.layout``: ``read_only`` bindings the
+    kernel only reads, then ``written`` bindings it writes, in the kernel's argument order.
+
+    Each binding is ``Indirect``: iree-compile (``--iree-hal-indirect-command-buffers``, on by default in 3.13) then
+    binds the call's transient buffers through the binding table of ``hal.device.queue.execute.indirect``, so a
+    call with static shapes records its command buffer once at module load (``--iree-hal-memoization``) and replays
+    it; without the flag the kernel's operands are captured directly and the command buffer is recorded in every
+    call (one VM call per dispatch: microseconds each, hundreds per decode step).
+    """
+    return ", ".join(['#hal.pipeline.binding<storage_buffer, "ReadOnly|Indirect">'] * read_only
+                     + ["#hal.pipeline.binding<storage_buffer, Indirect>"] * written)
+
+
 def insert_rows_mlir(tag: str, dest: str, dest_type: str, lead: list[str], upd: str, upd_type: VTensor, pos: str,
                      pos_type: VTensor, seq: int | str, axis: int, out: str) -> str:
-    """MLIR statements defining ``out = tensor.insert_slice upd into dest[*lead, .., off, ..]``: the
-    KVCacheUpdate contract on builtin tensors.
+    """MLIR statements defining ``out = dest`` with ``upd`` written at rows ``off .. off + n`` of ``axis``, the
+    unit dims before it at the ``lead`` offsets (e.g. a state slot): the KVCacheUpdate contract on builtin tensors.
 
-    ``dest`` has type ``dest_type`` (rank ``len(lead) + rank(upd)``; the ``lead`` offsets, e.g. a state slot, are
-    MLIR index literals over unit dims); ``upd`` is ``upd_type`` with ``n`` rows at ``axis``; ``pos`` holds one
-    i64; ``seq`` is the number of rows ``S`` (int, or an index SSA value). ``off = pos`` (``pos + S`` when
-    negative) clamped to ``[0, S - n]`` (out-of-bounds ``insert_slice`` is undefined behaviour). SSA names
-    are prefixed ``%{tag}_``.
+    ``dest`` has type ``dest_type`` (rank ``len(lead) + rank(upd)``; the ``lead`` offsets are MLIR index literals
+    over unit dims); ``upd`` is ``upd_type`` with ``n`` rows at ``axis``; ``pos`` holds one i64 (type
+    ``pos_type``, shape ``[1]`` or ``[]``); ``seq`` is the number of rows ``S`` (int, or an index SSA value).
+    ``off = pos`` (``pos + S`` when negative) clamped to ``[0, S - n]``. SSA names are prefixed ``%{tag}_``.
+
+    The write is an ``iree_linalg_ext.scatter`` of ``upd``'s rows (the dims up to ``axis`` flattened, the dims
+    after it the scattered slice) at indices computed on the device from ``pos``. A ``tensor.insert_slice`` at
+    ``off`` would need ``pos`` on the host: iree-compile 3.13 then reads it back in every call (a queue copy and a
+    fence wait) and the call's command buffer depends on it, so it is recorded anew each call instead of once
+    (``--iree-hal-memoization``) and cannot be replayed as one CUDA graph.
     """
     t = f"%{tag}"
+    dims = upd_type.dims
+    el = upd_type.builtin_element
+    depth = len(lead) + axis + 1
     lines = [f"{t}_c0 = arith.constant 0 : index"]
-    sizes = ["1"] * len(lead)
-    for k, d in enumerate(upd_type.dims):
+    size = []
+    for k, d in enumerate(dims):
         if d is None:
             lines += [f"{t}_ci{k} = arith.constant {k} : index", f"{t}_d{k} = tensor.dim {upd}, {t}_ci{k} : {upd_type.builtin}"]
-        sizes.append(str(d) if d is not None else f"{t}_d{k}")
+            size.append(f"{t}_d{k}")
+        else:
+            lines.append(f"{t}_d{k} = arith.constant {d} : index")
+            size.append(f"{t}_d{k}")
     s_ref = seq if isinstance(seq, str) else f"{t}_s"
     if not isinstance(seq, str):
         lines.append(f"{t}_s = arith.constant {seq} : index")
-    n = upd_type.dims[axis]
-    n_ref = f"{t}_d{axis}" if n is None else f"{t}_n"
-    if n is not None:
-        lines.append(f"{t}_n = arith.constant {n} : index")
+    rows_static = None not in dims[:axis + 1]
+    m = str(int(np.prod(dims[:axis + 1]))) if rows_static else "?"
+    rest = "".join(("?" if d is None else str(d)) + "x" for d in dims[axis + 1:])
+    rows_type = f"tensor<{m}x{rest}{el}>"
+    groups = [list(range(axis + 1))] + [[k] for k in range(axis + 1, len(dims))]
+    lines.append(f"{t}_u = tensor.collapse_shape {upd} [{', '.join('[' + ', '.join(map(str, g)) + ']' for g in groups)}] : "
+                 f"{upd_type.builtin} into {rows_type}")
+    idx_type = f"tensor<{m}x{depth}xi32>"
+    if rows_static:
+        lines.append(f"{t}_ie = tensor.empty() : {idx_type}")
+    else:
+        lines += [f"{t}_m = tensor.dim {t}_u, {t}_c0 : {rows_type}", f"{t}_ie = tensor.empty({t}_m) : {idx_type}"]
     index = f"[{t}_c0]" if pos_type.dims else "[]"
-    offsets = ", ".join([*lead, *(f"{t}_off" if k == axis else "0" for k in range(len(upd_type.dims)))])
-    lines += [
-        f"{t}_p64 = tensor.extract {pos}{index} : {pos_type.builtin}",
-        f"{t}_p = arith.index_cast {t}_p64 : i64 to index",
-        f"{t}_neg = arith.cmpi slt, {t}_p, {t}_c0 : index",
-        f"{t}_pw = arith.addi {t}_p, {s_ref} : index",
-        f"{t}_pn = arith.select {t}_neg, {t}_pw, {t}_p : index",
-        f"{t}_last = arith.subi {s_ref}, {n_ref} : index",
-        f"{t}_hi = arith.minsi {t}_pn, {t}_last : index",
-        f"{t}_off = arith.maxsi {t}_hi, {t}_c0 : index",
-        f"{out} = tensor.insert_slice {upd} into {dest}[{offsets}] [{', '.join(sizes)}] [{', '.join('1' for _ in sizes)}] : {upd_type.builtin} into {dest_type}",
-    ]
+    body = [f"{t}_r = linalg.index 0 : index", f"{t}_c = linalg.index 1 : index",
+            f"{t}_p64 = tensor.extract {pos}{index} : {pos_type.builtin}",
+            f"{t}_p = arith.index_cast {t}_p64 : i64 to index",
+            f"{t}_neg = arith.cmpi slt, {t}_p, {t}_c0 : index",
+            f"{t}_pw = arith.addi {t}_p, {s_ref} : index",
+            f"{t}_pn = arith.select {t}_neg, {t}_pw, {t}_p : index",
+            f"{t}_last = arith.subi {s_ref}, {t}_d{axis} : index",
+            f"{t}_hi = arith.minsi {t}_pn, {t}_last : index",
+            f"{t}_off = arith.maxsi {t}_hi, {t}_c0 : index"]
+    # row r -> its coordinates over upd's dims 0..axis (the last fastest), then the index vector
+    # [lead..., coords before axis..., off + coord at axis]
+    comp, q = {}, f"{t}_r"
+    for k in range(axis, -1, -1):
+        body += [f"{t}_x{k} = arith.remui {q}, {t}_d{k} : index", f"{t}_q{k} = arith.divui {q}, {t}_d{k} : index"]
+        comp[len(lead) + k] = f"{t}_x{k}"
+        q = f"{t}_q{k}"
+    body.append(f"{t}_row = arith.addi {t}_off, {t}_x{axis} : index")
+    comp[len(lead) + axis] = f"{t}_row"
+    for j, literal in enumerate(lead):
+        body.append(f"{t}_l{j} = arith.constant {literal} : index")
+        comp[j] = f"{t}_l{j}"
+    value = comp[depth - 1]
+    for j in range(depth - 2, -1, -1):
+        body += [f"{t}_k{j} = arith.constant {j} : index", f"{t}_is{j} = arith.cmpi eq, {t}_c, {t}_k{j} : index",
+                 f"{t}_v{j} = arith.select {t}_is{j}, {comp[j]}, {value} : index"]
+        value = f"{t}_v{j}"
+    body += [f"{t}_vi = arith.index_cast {value} : index to i32", f"linalg.yield {t}_vi : i32"]
+    lines.append(f"{t}_idx = linalg.generic {{indexing_maps = [affine_map<(r, c) -> (r, c)>], iterator_types = "
+                 f"[\"parallel\", \"parallel\"]}} outs({t}_ie : {idx_type}) {{\n  ^bb0({t}_o: i32):\n      "
+                 + "\n      ".join(body) + f"\n    }} -> {idx_type}")
+    lines.append(f"{out} = iree_linalg_ext.scatter dimension_map = [{', '.join(map(str, range(depth)))}] unique_indices(true) "
+                 f"ins({t}_u, {t}_idx : {rows_type}, {idx_type}) outs({dest} : {dest_type}) {{\n  ^bb0({t}_a: {el}, {t}_b: {el}):\n"
+                 f"      iree_linalg_ext.yield {t}_a : {el}\n    }} -> {dest_type}")
     return "\n".join("    " + line for line in lines)
 
 
@@ -213,21 +268,22 @@ def rows_view(a: VTensor, k: int) -> str:
     return "\n".join(lines)
 
 
-def rows_result(a: VTensor, n: int, y: str, out: VTensor) -> str:
-    """MLIR statements defining ``%out0`` (type ``out``, [..., N]) from ``y`` ``tensor<?xNxel>``: the rows of
-    :func:`rows_view` expanded back to A's leading dims (``%in0_d<axis>`` for dynamic ones), then cast."""
+def rows_result(a: VTensor, n: int, y: str, out: VTensor, result: str = "%out0") -> str:
+    """MLIR statements defining ``result`` (type ``out``, [..., N]) from ``y`` ``tensor<?xNxel>``: the rows of
+    :func:`rows_view` expanded back to A's leading dims (``%in0_d<axis>`` for dynamic ones), then cast. Other SSA
+    names are prefixed by ``result``, so several results can be expanded in one body."""
     dims, el = a.dims[:-1], a.builtin_element
     lines, sizes = [], []
     for i, d in enumerate(dims):
         if d is None:
             sizes.append(f"%in0_d{i}")
         else:
-            lines.append(f"    %yd{i} = arith.constant {d} : index")
-            sizes.append(f"%yd{i}")
+            lines.append(f"    {result}_d{i} = arith.constant {d} : index")
+            sizes.append(f"{result}_d{i}")
     mid = "tensor<" + "?x" * len(dims) + f"{n}x{el}>"
     groups = "[" + ", ".join(map(str, range(len(dims)))) + f"], [{len(dims)}]"
-    lines.append(f"    %ye = tensor.expand_shape {y} [{groups}] output_shape [{', '.join(sizes)}, {n}] : tensor<?x{n}x{el}> into {mid}")
-    lines.append(f"    %out0 = tensor.cast %ye : {mid} to {out.builtin}")
+    lines.append(f"    {result}_e = tensor.expand_shape {y} [{groups}] output_shape [{', '.join(sizes)}, {n}] : tensor<?x{n}x{el}> into {mid}")
+    lines.append(f"    {result} = tensor.cast {result}_e : {mid} to {out.builtin}")
     return "\n".join(lines)
 
 

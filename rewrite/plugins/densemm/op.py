@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from rewrite.core.abstract_ops import AbstractOp
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, row_count, rows_result, rows_view
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings, row_count, rows_result, rows_view
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
@@ -123,7 +123,7 @@ class DenseMatMul(AbstractOp):
         ({a.builtin}{dyn}, tensor<{n}x{k}x{el}>, i32, i32, i32) -> {result}{dyn}
     %out0 = tensor.cast %y : {result} to {op.result_types[0].builtin}
 """
-        bindings = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * 2 + ["#hal.pipeline.binding<storage_buffer>"])
+        bindings = kernel_bindings(2, 1)
         exe = (f"  hal.executable.source private @{name} <objects = <{{\n"
                f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
                f"    hal.executable.export public @{kernel} ordinal(0)\n"

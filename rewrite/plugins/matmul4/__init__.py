@@ -11,6 +11,10 @@ Why: on IREE's cuda target the op's kernel reads each weight byte once per decod
 inside the dot product; iree-compile 3.13 materializes the dequantized weight of the DequantizeLinear form at
 every call (BENCHMARKS.md, "Full-size decode on the H200"). Runs after ``quant4`` (whose form it reads) and
 before ``legalize`` (which would decompose the DequantizeLinear).
+
+Then the rule ``shared-input`` (:mod:`rewrite.plugins.matmul4.merge`) merges the MatMulInt4 nodes that read one
+activation (query/key/value, gate/up) into one over their columns, with an output per member: one kernel
+launch instead of several. Option ``merge`` (``--opt matmul4.merge=false``) turns it off.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.int4 import pack_int4
 from rewrite.core.ir import dtype_name
 from rewrite.core.pattern import AttrVar, Var
+from rewrite.core.driver import PluginReport, apply_rules
+from rewrite.core.ir import Graph
 from rewrite.core.rules import rule
+from rewrite.errors import RewriteError
 from rewrite.plugins.base import KernelObject, Plugin
+from rewrite.plugins.matmul4.merge import merge_shared_input
 from rewrite.plugins.matmul4.op import MatMulInt4
 
 _FLOATS = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
@@ -97,6 +105,22 @@ class MatMul4(Plugin):
     @property
     def rules(self):
         return [dense_int4_matmul]
+
+    def run(self, graph: Graph, report: PluginReport, ctx=None, *, dry_run: bool = False) -> None:
+        """The rule, then :func:`merge_shared_input` unless the option ``merge`` is false.
+
+        Raises:
+            RewriteError: an unknown option, or ``merge`` not a boolean."""
+        opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
+        unknown = sorted(set(opts) - {"merge"})
+        if unknown:
+            raise RewriteError(f"matmul4: unknown option '{unknown[0]}'; options: merge")
+        merge = opts.get("merge", True)
+        if not isinstance(merge, bool):
+            raise RewriteError(f"matmul4: option merge={merge!r}; true or false expected")
+        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run)
+        if merge:
+            merge_shared_input(graph, report, dry_run=dry_run)
 
     @property
     def abstract_ops(self):

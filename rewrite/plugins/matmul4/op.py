@@ -8,7 +8,9 @@ Contract (inputs; K the reduction size, N the output size, nb = ceil(K / block_s
 2. ``scales`` [N, nb], A's dtype
 3. ``zero_points`` UINT8 [N, nb] (optional; absent means 8, MatMulNBits' default)
 
-Attributes ``K``, ``N``, ``block_size``. Output ``Y`` [..., N] in A's dtype::
+Attributes ``K``, ``N``, ``block_size`` and optionally ``splits`` (2 or 3 widths summing to N). Output ``Y``
+[..., N] in A's dtype, or with ``splits`` one output per width, ``Y_i`` [..., splits[i]] = Y's next splits[i]
+columns (the ``shared-input`` merge of products reading one A, :mod:`rewrite.plugins.matmul4.merge`)::
 
     W[k, n] = (code[n, k] - zero_point[n, k // block_size]) * scales[n, k // block_size]
     Y = A @ W                                  (summed in float32)
@@ -16,11 +18,12 @@ Attributes ``K``, ``N``, ``block_size``. Output ``Y`` [..., N] in A's dtype::
 ``W`` is what ``DequantizeLinear(codes [K, N], scales [nb, N], zero_points, axis=0, block_size)`` (ONNX
 DequantizeLinear-21) computes from the ``quant4`` plugin's dense form, which the ``matmul4`` rule replaces.
 
-Lowerings: ONNX Runtime (CPU and CUDA) gets that DequantizeLinear -> MatMul pair back, which the ``ort`` backend
-turns into com.microsoft MatMulNBits (:mod:`rewrite.backends.ort_matmul_nbits`); IREE llvm-cpu gets the
-dequantization and the product as two ``linalg.generic`` ops (IREE's own code); IREE cuda gets one dispatch of
-``kernels/matmul4_cuda.cu``, the dequantization inside the dot product, so a decode step reads each weight byte
-once (iree-compile 3.13 materializes the dequantized weight of the DequantizeLinear form at every call and runs
+Lowerings: ONNX Runtime (CPU and CUDA) gets that DequantizeLinear -> MatMul pair back (then a Split for
+``splits``), which the ``ort`` backend turns into com.microsoft MatMulNBits
+(:mod:`rewrite.backends.ort_matmul_nbits`); IREE llvm-cpu gets the dequantization and the product as two
+``linalg.generic`` ops (IREE's own code) and a slice per output; IREE cuda gets one dispatch of
+``kernels/matmul4_cuda.cu``, the dequantization inside the dot product, each column stored straight into its
+output, so a decode step reads each weight byte once (iree-compile 3.13 materializes the dequantized weight of the DequantizeLinear form at every call and runs
 the product at 230 GB/s on an H200: BENCHMARKS.md, "Full-size decode on the H200").
 """
 
@@ -32,7 +35,7 @@ from onnx import TensorProto
 
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.int4 import pack_int4, unpack_int4
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, row_count, rows_result, rows_view
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings, row_count, rows_result, rows_view
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
@@ -62,21 +65,24 @@ class MatMulInt4(AbstractOp):
         return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
     def reference(self, attrs: dict, a, codes, scales, zero_points=None) -> list[np.ndarray]:
-        """numpy float32 evaluation of the contract; returns [Y] in A's dtype."""
+        """numpy float32 evaluation of the contract; returns [Y] (or one array per split) in A's dtype."""
         w = dequantize(codes, scales, zero_points, int(attrs["K"]), int(attrs["block_size"]))
-        return [(a.astype(np.float32) @ w).astype(a.dtype)]
+        y = (a.astype(np.float32) @ w).astype(a.dtype)
+        splits = attrs.get("splits")
+        return np.split(y, np.cumsum(splits)[:-1], axis=-1) if splits else [y]
 
     def sample_inputs(self, rng: np.random.Generator) -> list[tuple[dict, list[np.ndarray]]]:
         """Conformance-kit samples: a partial last block, no zero points, f16, 3-D A, rows not a multiple of 8."""
-        def case(m, k, n, bs, dt, zp=True, lead=()):
+        def case(m, k, n, bs, dt, zp=True, lead=(), splits=None):
             nb = -(-k // bs)
             a = rng.standard_normal((*lead, m, k)).astype(dt)
             ins = [a, pack_int4(rng.integers(0, 16, (n, k))), (rng.random((n, nb)) * 0.1 + 0.01).astype(dt)]
             if zp:
                 ins.append(rng.integers(0, 16, (n, nb)).astype(np.uint8))
-            return dict(K=k, N=n, block_size=bs), ins
+            return dict(K=k, N=n, block_size=bs, **({"splits": splits} if splits else {})), ins
         return [case(3, 96, 40, 32, np.float32), case(1, 64, 24, 64, np.float32, zp=False),
-                case(9, 128, 72, 128, np.float16), case(5, 80, 16, 16, np.float16, lead=(2,))]
+                case(9, 128, 72, 128, np.float16), case(5, 80, 16, 16, np.float16, lead=(2,)),
+                case(2, 64, 56, 32, np.float32, splits=[24, 16, 16]), case(1, 128, 48, 64, np.float16, splits=[40, 8])]
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
@@ -99,8 +105,16 @@ class MatMulInt4(AbstractOp):
                      dtype=dt, shape=[k, n])
         else:
             w = b.op("Transpose", [_dequantize_onnx(b, b_in, s_in, z_in, k, n, bs, dt)], perm=[1, 0], dtype=dt, shape=[k, n])
-        y = b.op("MatMul", [a, w], dtype=dt, shape=graph.values[node.outputs[0]].shape)
-        graph.replace_node(node, [y])
+        splits = node.attr("splits")
+        shape = graph.values[node.outputs[0]].shape
+        y = b.op("MatMul", [a, w], dtype=dt, shape=None if splits else shape)
+        if splits:
+            ys = b.op("Split", [y, b.const(np.array(splits, np.int64), "splits")], outputs=len(splits), axis=-1)
+            for out, new in zip(node.outputs, ys):
+                graph.values[new].set_type(dt, graph.values[out].shape)
+            graph.replace_node(node, list(ys))
+        else:
+            graph.replace_node(node, [y])
         graph.remove_unused_initializers()
 
     # ----------------------------------------------------------------- IREE
@@ -173,9 +187,10 @@ class MatMulInt4(AbstractOp):
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One dispatch of ``kernels/matmul4_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``matmul_int4_<el>_v<VEC>``
-        on (ceil(N / 8), ceil(M / 8)) workgroups of 256 threads: a warp per output column and 8 rows of A, the
-        dequantization inside the dot product (the kernel source's header). Push constants M, K, N,
-        block_size, has_zp (i32).
+        (``_o2``/``_o3`` with 2 or 3 ``splits``) on (ceil(N / 8), ceil(M / 8)) workgroups of 256 threads: a warp
+        per output column and 8 rows of A, the dequantization inside the dot product (the kernel source's
+        header); for an A of one row (static shape) the ``_t1`` variant, one row per workgroup. Push constants
+        M, K, N, block_size, has_zp, and the first two split widths (i32).
 
         Raises:
             BackendError: a target other than cuda, a dynamic K or N, or K or the block size not a multiple of 8.
@@ -187,15 +202,20 @@ class MatMulInt4(AbstractOp):
             raise BackendError(f"MatMulInt4 on cuda: K={t.K}, block_size={t.bs}; the kernel takes multiples of 8")
         vec = 32 if t.K % 32 == 0 and t.bs % 32 == 0 else 8
         obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "matmul4_cuda.cu"), ctx.cuda_arch))
-        kernel = f"matmul_int4_{t.el}_v{vec}"
-        name = f"matmul4_exec_{t.el}_v{vec}"
+        outs = len(t.widths)
+        one_row = None not in t.a.dims[:-1] and int(np.prod(t.a.dims[:-1])) == 1  # decode: the *_t1 kernels
+        tokens = 1 if one_row else CUDA_TOKENS
+        variant = f"{t.el}_v{vec}" + ("_t1" if one_row else "") + (f"_o{outs}" if outs > 1 else "")
+        kernel, name = f"matmul_int4_{variant}", f"matmul4_exec_{variant}"
         zp = "%in3" if t.has_zp else "%z"
         ztype = f"tensor<{t.N}x{t.nb}xi8>" if t.has_zp else "tensor<1xi8>"
-        rows, dyn, result = row_count(t.a, t.N)
+        rows, dyn, _ = row_count(t.a, t.N)
+        results = [row_count(t.a, w)[2] for w in t.widths]
+        n0, n1 = (t.widths + [0, 0])[:2]
         # A and Y go to the kernel in their own shapes (a pointer is all it takes): reshapes around the dispatch
         # make iree-compile 3.13 fail in SinkReshapes ("failed to sink reshape ops") on a 6-layer model
         body = rows + f"""
-    %c8 = arith.constant {CUDA_TOKENS} : index
+    %c8 = arith.constant {tokens} : index
     %gx = arith.constant {-(-t.N // (CUDA_THREADS // 32))} : index
     %gy = arith.ceildivui %m, %c8 : index
     %z = arith.constant dense<0> : tensor<1xi8>
@@ -204,12 +224,15 @@ class MatMulInt4(AbstractOp):
     %n32 = arith.constant {t.N} : i32
     %bs32 = arith.constant {t.bs} : i32
     %zp32 = arith.constant {1 if t.has_zp else 0} : i32
-    %y = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %in2, {zp}, %m32, %k32, %n32, %bs32, %zp32) :
-        ({t.a.builtin}{dyn}, tensor<{t.N}x{t.Kp}xi8>, tensor<{t.N}x{t.nb}x{t.el}>, {ztype}, i32, i32, i32, i32, i32)
-        -> {result}{dyn}
-    %out0 = tensor.cast %y : {result} to {t.out.builtin}
+    %n0 = arith.constant {n0} : i32
+    %n1 = arith.constant {n1} : i32
+    %y{":" + str(outs) if outs > 1 else ""} = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %in2, {zp}, %m32, %k32, %n32, %bs32, %zp32, %n0, %n1) :
+        ({t.a.builtin}{dyn}, tensor<{t.N}x{t.Kp}xi8>, tensor<{t.N}x{t.nb}x{t.el}>, {ztype}, i32, i32, i32, i32, i32, i32, i32)
+        -> ({", ".join(r + dyn for r in results)})
 """
-        return IreeLowering(body=body, module_items={name: _cuda_executable(name, obj, kernel)})
+        for i, (r, o) in enumerate(zip(results, t.outs)):
+            body += f"    %out{i} = tensor.cast %y{'#' + str(i) if outs > 1 else ''} : {r} to {o.builtin}\n"
+        return IreeLowering(body=body, module_items={name: _cuda_executable(name, obj, kernel, outs)})
 
 
 def _dequantize_onnx(b: Builder, codes: str, scales: str, zero_points: str, k: int, n: int, bs: int, dt: int) -> str:
@@ -237,8 +260,12 @@ class _Types:
 
     def __init__(self, op: TorchOperator):
         a, b = op.operand_types[0], op.operand_types[1]
-        self.a, self.out = a, op.result_types[0]
+        self.a, self.outs = a, op.result_types
         self.K, self.N, self.bs = int(op.attrs["K"]), int(op.attrs["N"]), int(op.attrs["block_size"])
+        self.widths = [int(w) for w in op.attrs.get("splits") or [self.N]]
+        if sum(self.widths) != self.N or len(self.widths) != len(self.outs) or len(self.widths) > 3:
+            raise BackendError(f"MatMulInt4 {op.where}: splits {self.widths} for N={self.N} and {len(self.outs)} "
+                               "output(s); 1 to 3 widths summing to N, one per output, expected")
         if a.dims[-1] not in (None, self.K) or b.dims != [self.N, (self.K + 1) // 2]:
             raise BackendError(f"MatMulInt4 {op.where}: A {a.text} and B {b.text} do not fit K={self.K}, N={self.N}")
         if a.dims[-1] is None:
@@ -251,17 +278,25 @@ class _Types:
         return rows_view(self.a, self.K)
 
     def expand(self, y: str) -> str:
-        return rows_result(self.a, self.N, y, self.out)
+        """``%out<i>`` from the [M, N] result ``y``: one slice of columns per output, expanded to A's leading dims."""
+        if len(self.widths) == 1:
+            return rows_result(self.a, self.N, y, self.outs[0])
+        el, lines, off = self.a.builtin_element, [], 0
+        for i, (w, out) in enumerate(zip(self.widths, self.outs)):
+            lines.append(f"    %ys{i} = tensor.extract_slice {y}[0, {off}] [%m, {w}] [1, 1] : tensor<?x{self.N}x{el}> to tensor<?x{w}x{el}>")
+            lines.append(rows_result(self.a, w, f"%ys{i}", out, f"%out{i}"))
+            off += w
+        return "\n".join(lines)
 
 
-def _cuda_executable(name: str, obj: str, kernel: str) -> str:
-    """The ``hal.executable.source`` declaring the PTX kernel: 5 bindings (4 read, the last written), 5 i32 push
-    constants, workgroups of CUDA_THREADS threads on the grid the dispatch's workload gives."""
-    bindings = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * 4 + ["#hal.pipeline.binding<storage_buffer>"])
+def _cuda_executable(name: str, obj: str, kernel: str, outs: int) -> str:
+    """The ``hal.executable.source`` declaring the PTX kernel: 4 bindings read, then ``outs`` written; 7 i32 push
+    constants; workgroups of CUDA_THREADS threads on the grid the dispatch's workload gives."""
+    bindings = kernel_bindings(4, outs)
     return (f"  hal.executable.source private @{name} <objects = <{{\n"
             f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
             f"    hal.executable.export public @{kernel} ordinal(0)\n"
-            f"        layout(#hal.pipeline.layout<constants = 5, bindings = [{bindings}]>)\n"
+            f"        layout(#hal.pipeline.layout<constants = 7, bindings = [{bindings}]>)\n"
             f"        count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{\n"
             f"      %c1 = arith.constant 1 : index\n      hal.return %gx, %gy, %c1 : index, index, index\n"
             f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>\n  }}")

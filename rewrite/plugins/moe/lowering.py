@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.int4 import ORT_MAX_BLOCK, pack_int4, unpack_int4
 from rewrite.core.ir import Graph, Node
@@ -423,7 +423,7 @@ def _cuda_executable(name: str, obj: str, el: str) -> str:
     """The ``hal.executable.source`` declaring the PTX kernels ``moe_gate_up_<el>`` and ``moe_down_<el>``: 8
     bindings each (7 read, the last written), 10 i32 push constants, workgroups of CUDA_THREADS threads on the
     grid the dispatch's workload gives (pairs or tokens, row blocks)."""
-    bindings = ", ".join(["#hal.pipeline.binding<storage_buffer, ReadOnly>"] * 7 + ["#hal.pipeline.binding<storage_buffer>"])
+    bindings = kernel_bindings(7, 1)
     exports = []
     for ordinal, export in enumerate((f"moe_gate_up_{el}", f"moe_down_{el}")):
         exports.append(f"""    hal.executable.export public @{export} ordinal({ordinal})

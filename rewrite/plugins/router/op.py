@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cpu_object, build_cuda_ptx, cpu_executable_target, kernel_source
@@ -410,13 +410,13 @@ def _lower_iree_cuda(op: TorchOperator, ctx: PatchContext, where: str, k: int, n
         dyn = "tensor<" + "?x" * (rank - 1) + f"{k}x{el}>"
         lines.append(f"    {name}_x = tensor.expand_shape {src} {group} output_shape [{shape}] : tensor<?x{k}x{el}> into {dyn}")
         lines.append(f"    {name} = tensor.cast {name}_x : {dyn} to {res.builtin}")
-    bindings = ["storage_buffer, ReadOnly"] * len(tensors) + ["storage_buffer"] * 2
+    bindings = kernel_bindings(len(tensors), 2)
     executable = f"""
   hal.executable.source private @{entry}_cuda <objects = <{{
       #hal.executable.target<"cuda", "cuda-nvptx-fb"> = [#hal.executable.object<{{path = "{ptx}"}}>]}}>> {{
     hal.executable.export public @{entry} ordinal(0)
         layout(#hal.pipeline.layout<constants = {1 + len(consts)}, bindings = [
-          {", ".join(f"#hal.pipeline.binding<{b}>" for b in bindings)}]>)
+          {bindings}]>)
         count(%device: !hal.device, %t: index) -> (index, index, index) {{
       %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {CUDA_THREADS})>()[%t]
       %c1 = arith.constant 1 : index

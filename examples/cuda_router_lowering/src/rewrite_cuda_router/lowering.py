@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings
 from rewrite.core.kernels import build_cuda_ptx
 from rewrite.core.lowering import Lowering
 from rewrite.errors import BackendError
@@ -93,10 +93,7 @@ def _executable(ptx: str, el: str) -> str:
   hal.executable.source private @rewrite_cuda_router_{el} <objects = <{{
       #hal.executable.target<"cuda", "cuda-nvptx-fb"> = [#hal.executable.object<{{path = "{ptx}"}}>]}}>> {{
     hal.executable.export public @router_topk_{el} ordinal(0)
-        layout(#hal.pipeline.layout<constants = 5, bindings = [
-          #hal.pipeline.binding<storage_buffer, ReadOnly>,
-          #hal.pipeline.binding<storage_buffer>,
-          #hal.pipeline.binding<storage_buffer>]>)
+        layout(#hal.pipeline.layout<constants = 5, bindings = [{kernel_bindings(1, 2)}]>)
         count(%device: !hal.device, %t: index) -> (index, index, index) {{
       %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {THREADS})>()[%t]
       %c1 = arith.constant 1 : index

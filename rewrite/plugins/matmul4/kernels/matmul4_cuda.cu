@@ -1,11 +1,13 @@
 // MatMulInt4 CUDA kernel for IREE's cuda target (extern dispatch; PTX for sm_80, which sm_90 runs).
 //
 // IREE CUDA dispatch ABI (samples/custom_dispatch/cuda/kernels in IREE): the bindings' base pointers in binding
-// order, then each push constant as a 32-bit integer: m, k, n, bs, has_zp.
+// order, then each push constant as a 32-bit integer: m, k, n, bs, has_zp, n0, n1.
 // Layouts: the contract of ai.rewrite::MatMulInt4 (rewrite/plugins/matmul4/op.py):
 //   x [M, K] float (f32 or f16), w [N, K/2] uint8: INT4 codes two per byte along K, even element in the low
 //   nibble (ORT MatMulNBits / QMoE packing), s [N, nb] x's type, z [N, nb] uint8 zero points (8 when has_zp is
 //   0), y [M, N] x's type: y[m, n] = sum_k x[m, k] * (code[n, k] - z[n, k / bs]) * s[n, k / bs], summed in f32.
+//   Y's columns go to OUTS outputs (the op's ``splits``): y0 [M, n0] takes columns 0 .. n0 - 1, y1 [M, n1] the
+//   next n1, y2 [M, N - n0 - n1] the rest (kernels *_o2 and *_o3; the one-output kernel ignores n0 and n1).
 //
 // Grid (ceil(N / WARPS), ceil(M / TOKENS)), THREADS threads: warp w of workgroup (i, j) computes row
 // n = i * WARPS + w for tokens j * TOKENS .. + TOKENS - 1, so the weight row is read once per TOKENS tokens and a
@@ -20,7 +22,8 @@
 
 #define THREADS 256  // CUDA_THREADS in op.py
 #define WARPS (THREADS / 32)
-#define TOKENS 8     // CUDA_TOKENS in op.py
+// TOKENS rows of A per workgroup: 8 (CUDA_TOKENS in op.py), or 1 in the *_t1 kernels for a one-row A (decode),
+// whose 8 accumulators fewer leave registers for more warps in flight (sm_90: 76 registers a thread with 8)
 
 // VEC / 8 words of 8 codes each; code i of a word sits at bits 4i.
 template <int VEC>
@@ -33,9 +36,9 @@ __device__ __forceinline__ void load_codes(const uint8_t* p, uint32_t* words) {
   }
 }
 
-template <typename T, int VEC>
-__device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint8_t* z, T* y, int M, int K, int N,
-                            int bs, int has_zp) {
+template <typename T, int VEC, int OUTS, int TOKENS>
+__device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint8_t* z, T* y0, T* y1, T* y2, int M,
+                            int K, int N, int bs, int has_zp, int n0, int n1) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const int m0 = blockIdx.y * TOKENS;
@@ -69,23 +72,41 @@ __device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint
       }
     }
   }
+  T* y = y0;  // the output holding column n, its column there and its width
+  int col = n, width = OUTS == 1 ? N : n0;
+  if (OUTS > 1 && n >= n0) {
+    const bool second = OUTS == 2 || n < n0 + n1;
+    y = second ? y1 : y2;
+    col = second ? n - n0 : n - n0 - n1;
+    width = OUTS == 2 ? N - n0 : (second ? n1 : N - n0 - n1);
+  }
 #pragma unroll
   for (int t = 0; t < TOKENS; ++t) {
     float v = acc[t];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0 && t < tokens) store(y + (size_t)(m0 + t) * N + n, v);
+    if (lane == 0 && t < tokens) store(y + (size_t)(m0 + t) * width + col, v);
   }
 }
 
-#define KERNEL(name, T, VEC)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(THREADS) name(const T* x, const uint8_t* w, const T* s,        \
-                                                             const uint8_t* z, T* y, int m, int k, int n,     \
-                                                             int bs, int has_zp) {                            \
-    matmul_int4<T, VEC>(x, w, s, z, y, m, k, n, bs, has_zp);                                                  \
+#define PARAMS(T) const T *x, const uint8_t *w, const T *s, const uint8_t *z
+#define CONSTS int m, int k, int n, int bs, int has_zp, int n0, int n1
+#define KERNELS(name, T, VEC, TOK)                                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS) name(PARAMS(T), T* y0, CONSTS) {                     \
+    matmul_int4<T, VEC, 1, TOK>(x, w, s, z, y0, nullptr, nullptr, m, k, n, bs, has_zp, n0, n1);              \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS) name##_o2(PARAMS(T), T* y0, T* y1, CONSTS) {         \
+    matmul_int4<T, VEC, 2, TOK>(x, w, s, z, y0, y1, nullptr, m, k, n, bs, has_zp, n0, n1);                   \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS) name##_o3(PARAMS(T), T* y0, T* y1, T* y2, CONSTS) {  \
+    matmul_int4<T, VEC, 3, TOK>(x, w, s, z, y0, y1, y2, m, k, n, bs, has_zp, n0, n1);                        \
   }
 
-KERNEL(matmul_int4_f16_v32, __half, 32)
-KERNEL(matmul_int4_f16_v8, __half, 8)
-KERNEL(matmul_int4_f32_v32, float, 32)
-KERNEL(matmul_int4_f32_v8, float, 8)
+KERNELS(matmul_int4_f16_v32, __half, 32, 8)
+KERNELS(matmul_int4_f16_v8, __half, 8, 8)
+KERNELS(matmul_int4_f32_v32, float, 32, 8)
+KERNELS(matmul_int4_f32_v8, float, 8, 8)
+KERNELS(matmul_int4_f16_v32_t1, __half, 32, 1)
+KERNELS(matmul_int4_f16_v8_t1, __half, 8, 1)
+KERNELS(matmul_int4_f32_v32_t1, float, 32, 1)
+KERNELS(matmul_int4_f32_v8_t1, float, 8, 1)
