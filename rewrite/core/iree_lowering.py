@@ -1,10 +1,10 @@
 """What an abstract op's IREE lowering receives and returns (the contract between plugins and the ``iree``
 backend): the imported op (:class:`TorchOperator`, its operand and result types as :class:`VTensor`), where it is
 being lowered (:class:`PatchContext`), and the MLIR that replaces it (:class:`IreeLowering`); plus
-:func:`kernel_bindings`, the binding list of an extern kernel's layout,
-:func:`insert_rows_mlir`, the KV-cache row write (position read on the device) that the KVCacheUpdate lowering
-and the stateful module share, and :func:`rows_view` / :func:`rows_result` / :func:`row_count`, the [M, K] view of a MatMul's A, the [..., N]
-result and the row count M that the dense-MatMul lowerings share.
+:func:`kernel_bindings`, the binding list of an extern kernel's layout; :func:`insert_rows_mlir`, the KV-cache row
+write (its position read on the device) that the KVCacheUpdate lowering and the stateful module share; and
+:func:`rows_view` / :func:`rows_result` / :func:`row_count`, the [M, K] view of a MatMul's A, the [..., N] result
+and the row count M that the dense-MatMul lowerings share.
 
 The backend (:mod:`rewrite.backends.iree_patch`) finds the ops and splices the lowerings in.
 """
@@ -156,8 +156,8 @@ def kernel_bindings(read_only: int, written: int) -> str:
     Each binding is ``Indirect``: iree-compile (``--iree-hal-indirect-command-buffers``, on by default in 3.13) then
     binds the call's transient buffers through the binding table of ``hal.device.queue.execute.indirect``, so a
     call with static shapes records its command buffer once at module load (``--iree-hal-memoization``) and replays
-    it; without the flag the kernel's operands are captured directly and the command buffer is recorded in every
-    call (one VM call per dispatch: microseconds each, hundreds per decode step).
+    it; without ``Indirect`` the kernel's operands are captured directly and the command buffer is recorded in
+    every call (one VM call per dispatch: microseconds each, hundreds per decode step).
     """
     return ", ".join(['#hal.pipeline.binding<storage_buffer, "ReadOnly|Indirect">'] * read_only
                      + ["#hal.pipeline.binding<storage_buffer, Indirect>"] * written)
@@ -177,21 +177,18 @@ def insert_rows_mlir(tag: str, dest: str, dest_type: str, lead: list[str], upd: 
     after it the scattered slice) at indices computed on the device from ``pos``. A ``tensor.insert_slice`` at
     ``off`` would need ``pos`` on the host: iree-compile 3.13 then reads it back in every call (a queue copy and a
     fence wait) and the call's command buffer depends on it, so it is recorded anew each call instead of once
-    (``--iree-hal-memoization``) and cannot be replayed as one CUDA graph.
+    (``--iree-hal-memoization``).
     """
     t = f"%{tag}"
     dims = upd_type.dims
     el = upd_type.builtin_element
     depth = len(lead) + axis + 1
     lines = [f"{t}_c0 = arith.constant 0 : index"]
-    size = []
-    for k, d in enumerate(dims):
+    for k, d in enumerate(dims):  # each dim of upd as an index value %{tag}_d<k>
         if d is None:
             lines += [f"{t}_ci{k} = arith.constant {k} : index", f"{t}_d{k} = tensor.dim {upd}, {t}_ci{k} : {upd_type.builtin}"]
-            size.append(f"{t}_d{k}")
         else:
             lines.append(f"{t}_d{k} = arith.constant {d} : index")
-            size.append(f"{t}_d{k}")
     s_ref = seq if isinstance(seq, str) else f"{t}_s"
     if not isinstance(seq, str):
         lines.append(f"{t}_s = arith.constant {seq} : index")

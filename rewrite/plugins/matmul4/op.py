@@ -23,8 +23,9 @@ Lowerings: ONNX Runtime (CPU and CUDA) gets that DequantizeLinear -> MatMul pair
 (:mod:`rewrite.backends.ort_matmul_nbits`); IREE llvm-cpu gets the dequantization and the product as two
 ``linalg.generic`` ops (IREE's own code) and a slice per output; IREE cuda gets one dispatch of
 ``kernels/matmul4_cuda.cu``, the dequantization inside the dot product, each column stored straight into its
-output, so a decode step reads each weight byte once (iree-compile 3.13 materializes the dequantized weight of the DequantizeLinear form at every call and runs
-the product at 230 GB/s on an H200: BENCHMARKS.md, "Full-size decode on the H200").
+output, so a decode step reads each weight byte once (iree-compile 3.13 materializes the dequantized weight of the
+DequantizeLinear form at every call and runs the product at 230 GB/s on an H200: BENCHMARKS.md, "Full-size decode
+on the H200").
 """
 
 from __future__ import annotations
