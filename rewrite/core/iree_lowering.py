@@ -181,6 +181,8 @@ def insert_rows_mlir(tag: str, dest: str, dest_type: str, lead: list[str], upd: 
     """
     t = f"%{tag}"
     dims = upd_type.dims
+    if 0 in dims:  # no rows: dest unchanged (iree-compile 3.13 dies with SIGFPE on a scatter of a static 0 rows)
+        return f"    {out} = tensor.cast {dest} : {dest_type} to {dest_type}"
     el = upd_type.builtin_element
     depth = len(lead) + axis + 1
     lines = [f"{t}_c0 = arith.constant 0 : index"]
