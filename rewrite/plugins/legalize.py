@@ -27,10 +27,6 @@ What it rewrites, each measured against iree-base-compiler 3.13 on the example m
   axis 0, the same values (ONNX spec, ScatterND with ``reduction="none"``). iree-compile 3.13 fails on
   Qwen3.5-MoE's rotary ``slice_scatter`` (ScatterND of one row into ``data`` [2, T, 1]) with "LLVM Translation
   failed for operation: builtin.unrealized_conversion_cast".
-* **TopK of the whole axis** (a sort: torch's ``sort`` exports so, K computed from ``Shape(x)``; JetMoE's attention
-  experts): iree-compile 3.13 refuses the TopK of a K known only at run time (unbounded stack allocation). When K
-  is proven equal to the axis' length it becomes ``ai.rewrite::Sort`` (:mod:`rewrite.plugins.sort_op`), an
-  ``iree_linalg_ext.sort`` on IREE.
 * **ScatterElements into a splat another op reads too** (JetMoE's gates of every layer scattered into one zeros
   tensor): iree-compile 3.13 writes both scatters into one buffer. Written as a chain of Where over the positions
   along the axis (:mod:`rewrite.plugins.splat_scatter`).
@@ -53,7 +49,6 @@ from rewrite.core.rules import _FLOAT_FORMATS, _INT_RANGES, rule
 from rewrite.core.shape_eval import known_value
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
-from rewrite.plugins.sort_op import SORT, full_sort_topk
 from rewrite.plugins.splat_scatter import shared_splat_scatter
 
 _WIDEN_4BIT = {TensorProto.INT4: (TensorProto.INT8, np.int8), TensorProto.UINT4: (TensorProto.UINT8, np.uint8)}
@@ -311,7 +306,7 @@ class Legalize(Plugin):
     name = "legalize-iree-import"
     short = "legalize"
     description = ("Rewrite what IREE's importer or compiler rejects: blocked DequantizeLinear, 4-bit initializers, "
-                   "empty scatters, ScatterND of whole rows, TopK of a whole axis (a sort), scatters into a shared splat")
+                   "empty scatters, ScatterND of whole rows, scatters into a shared splat")
     opset_range = (13, 28)
     # ONNX Runtime reads what this plugin rewrites; decomposing DequantizeLinear there would lose MatMulNBits/QMoE
     backends = ("iree",)
@@ -320,12 +315,7 @@ class Legalize(Plugin):
 
     @property
     def rules(self):
-        return [dequantize_block, exact_4bit_cast, empty_scatter_nd, empty_scatter_elements, scatter_nd_rows, full_sort_topk,
-                shared_splat_scatter]
-
-    @property
-    def abstract_ops(self):
-        return [SORT]
+        return [dequantize_block, exact_4bit_cast, empty_scatter_nd, empty_scatter_elements, scatter_nd_rows, shared_splat_scatter]
 
     @property
     def cases(self):
@@ -398,18 +388,6 @@ class Legalize(Plugin):
             [helper.make_node("ScatterND", ["d", "i", "v"], ["y"], name="scatter")],
             [t("d", TensorProto.FLOAT, [4, 3]), t("i", TensorProto.INT64, [1, 1]), t("v", TensorProto.FLOAT, [1, 3])],
             t("y", TensorProto.FLOAT, [4, 3]))
-        # torch's sort as exported: TopK of the whole (dynamic) axis, K from Shape; only the indices read (JetMoE)
-        sort = model([
-            helper.make_node("Reshape", ["ids", "minus1"], ["flat"]),
-            helper.make_node("Shape", ["flat"], ["len"]),
-            helper.make_node("TopK", ["flat", "len"], ["sv", "si"], axis=0, largest=0, sorted=1, name="sort"),
-            helper.make_node("Mul", ["si", "two_i"], ["y"]),
-        ], [t("ids", TensorProto.INT64, ["T", 2])], t("y", TensorProto.INT64, ["N"]),
-            [numpy_helper.from_array(np.array([-1], np.int64), "minus1"), numpy_helper.from_array(np.array(2, np.int64), "two_i")], opset=18)
-        selection = model([
-            helper.make_node("TopK", ["x", "k2"], ["sv", "y"], axis=1, largest=1, sorted=1, name="topk"),
-        ], [t("x", TensorProto.FLOAT, ["T", 8])], t("y", TensorProto.INT64, ["T", 2]),
-            [numpy_helper.from_array(np.array([2], np.int64), "k2")], opset=18)
         # IREE 3.13 writes both scatters into the one zeros tensor they read (JetMoE's per-layer gates)
         def splat_scatters(shared=True):
             nodes = [helper.make_node("Shape", ["u1"], ["rows"], start=0, end=1),
@@ -431,9 +409,6 @@ class Legalize(Plugin):
             return {"i1": np.array([[0, 3], [1, -2], [5, 7]], np.int64), "u1": r.random((3, 2)).astype(np.float32),
                     "i2": np.array([[4, 6], [0, 1], [2, 2]], np.int64), "u2": r.random((3, 2)).astype(np.float32)}
         return [
-            positive("torch-sort-as-topk", sort, matches={"full-sort-topk": 1},
-                     feeds=lambda m: {"ids": np.random.default_rng(4).integers(0, 4, (7, 2)).astype(np.int64)}),
-            negative("topk-selection-not-a-sort", selection),
             positive("scatters-into-one-splat", splat_scatters(), matches={"shared-splat-scatter": 2}, feeds=scatter_feeds),
             negative("one-scatter-into-a-splat", splat_scatters(shared=False)),
             positive("rotary-slice-scatter", slice_scatter, matches={"scatter-nd-rows": 1, "empty-scatter-nd": 1},
