@@ -27,9 +27,10 @@ What it rewrites, each measured against iree-base-compiler 3.13 on the example m
   axis 0, the same values (ONNX spec, ScatterND with ``reduction="none"``). iree-compile 3.13 fails on
   Qwen3.5-MoE's rotary ``slice_scatter`` (ScatterND of one row into ``data`` [2, T, 1]) with "LLVM Translation
   failed for operation: builtin.unrealized_conversion_cast".
-* **ScatterElements into a splat another op reads too** (JetMoE's gates of every layer scattered into one zeros
-  tensor): iree-compile 3.13 writes both scatters into one buffer. Written as a chain of Where over the positions
-  along the axis (:mod:`rewrite.plugins.splat_scatter`).
+* **Scatters into a splat other ops read too** (JetMoE scatters every layer's gates into one zeros tensor and
+  adds its attention experts' outputs into another): iree-compile 3.13 writes the scatters into one buffer. Each
+  gets a splat of the same value computed from its own indices, which the compiler cannot merge with the others
+  (:mod:`rewrite.plugins.splat_scatter`).
 * **Reduce ops with axes as an input** (opset 18; seed item A2, llvm/torch-mlir#4506): importer 3.13
   lowers constant axes (initializer, Constant node, or a constant-foldable chain) for all ten Reduce ops,
   so nothing is rewritten; axes known only at run time cannot be lowered (iree-compile fails on
@@ -49,7 +50,7 @@ from rewrite.core.rules import _FLOAT_FORMATS, _INT_RANGES, rule
 from rewrite.core.shape_eval import known_value
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
-from rewrite.plugins.splat_scatter import shared_splat_scatter
+from rewrite.plugins.splat_scatter import shared_splat_scatter_elements, shared_splat_scatter_nd
 
 _WIDEN_4BIT = {TensorProto.INT4: (TensorProto.INT8, np.int8), TensorProto.UINT4: (TensorProto.UINT8, np.uint8)}
 
@@ -315,7 +316,8 @@ class Legalize(Plugin):
 
     @property
     def rules(self):
-        return [dequantize_block, exact_4bit_cast, empty_scatter_nd, empty_scatter_elements, scatter_nd_rows, shared_splat_scatter]
+        return [dequantize_block, exact_4bit_cast, empty_scatter_nd, empty_scatter_elements, scatter_nd_rows,
+                shared_splat_scatter_elements, shared_splat_scatter_nd]
 
     @property
     def cases(self):
@@ -389,27 +391,33 @@ class Legalize(Plugin):
             [t("d", TensorProto.FLOAT, [4, 3]), t("i", TensorProto.INT64, [1, 1]), t("v", TensorProto.FLOAT, [1, 3])],
             t("y", TensorProto.FLOAT, [4, 3]))
         # IREE 3.13 writes both scatters into the one zeros tensor they read (JetMoE's per-layer gates)
-        def splat_scatters(shared=True):
+        def splat_scatters(shared=True, nd=False):
+            scatter = (lambda d, i, u, o: helper.make_node("ScatterND", [d, i, u], [o], reduction="add")) if nd else \
+                (lambda d, i, u, o: helper.make_node("ScatterElements", [d, i, u], [o], axis=1))
             nodes = [helper.make_node("Shape", ["u1"], ["rows"], start=0, end=1),
-                     helper.make_node("Concat", ["rows", "eight"], ["shape"], axis=0),
-                     helper.make_node("Expand", ["zero", "shape"], ["z"]),
-                     helper.make_node("ScatterElements", ["z", "i1", "u1"], ["s1"], axis=1)]
-            if shared:
-                nodes.append(helper.make_node("ScatterElements", ["z", "i2", "u2"], ["s2"], axis=1))
-            else:
-                nodes.append(helper.make_node("Add", ["s1", "s1"], ["s2"]))
-            return model(nodes, [t(n, ty, ["T", 2]) for n, ty in (("i1", TensorProto.INT64), ("u1", TensorProto.FLOAT),
-                                                                      ("i2", TensorProto.INT64), ("u2", TensorProto.FLOAT))],
-                         t("s1", TensorProto.FLOAT, ["T", 8]),
-                         [numpy_helper.from_array(np.array(0, np.float32), "zero"), numpy_helper.from_array(np.array([8], np.int64), "eight")],
-                         opset=18, more_outputs=[t("s2", TensorProto.FLOAT, ["T", 8])])
+                     helper.make_node("Concat", ["rows", "width"], ["shape"], axis=0),
+                     helper.make_node("Expand", ["zero", "shape"], ["z"]), scatter("z", "i1", "u1", "s1")]
+            nodes.append(scatter("z", "i2", "u2", "s2") if shared else helper.make_node("Add", ["s1", "s1"], ["s2"]))
+            width, cols = (4, 1) if nd else (8, 2)
+            ins = [t(n, ty, ["T", cols if n[0] == "i" else (4 if nd else 2)]) for n, ty in
+                   (("i1", TensorProto.INT64), ("u1", TensorProto.FLOAT), ("i2", TensorProto.INT64), ("u2", TensorProto.FLOAT))]
+            return model(nodes, ins, t("s1", TensorProto.FLOAT, ["T", width]),
+                         [numpy_helper.from_array(np.array(0.5, np.float32), "zero"), numpy_helper.from_array(np.array([width], np.int64), "width")],
+                         opset=18, more_outputs=[t("s2", TensorProto.FLOAT, ["T", width])])
 
         def scatter_feeds(m):
             r = np.random.default_rng(3)
             return {"i1": np.array([[0, 3], [1, -2], [5, 7]], np.int64), "u1": r.random((3, 2)).astype(np.float32),
                     "i2": np.array([[4, 6], [0, 1], [2, 2]], np.int64), "u2": r.random((3, 2)).astype(np.float32)}
+
+        def index_add_feeds(m):  # rows added into, some twice (JetMoE's index_add)
+            r = np.random.default_rng(5)
+            return {"i1": np.array([[0], [2], [0], [1]], np.int64), "u1": r.random((4, 4)).astype(np.float32),
+                    "i2": np.array([[3], [3], [1], [0]], np.int64), "u2": r.random((4, 4)).astype(np.float32)}
         return [
-            positive("scatters-into-one-splat", splat_scatters(), matches={"shared-splat-scatter": 2}, feeds=scatter_feeds),
+            positive("scatters-into-one-splat", splat_scatters(), matches={"shared-splat-scatter-elements": 2}, feeds=scatter_feeds),
+            positive("index-adds-into-one-splat", splat_scatters(nd=True), matches={"shared-splat-scatter-nd": 2},
+                     feeds=index_add_feeds),
             negative("one-scatter-into-a-splat", splat_scatters(shared=False)),
             positive("rotary-slice-scatter", slice_scatter, matches={"scatter-nd-rows": 1, "empty-scatter-nd": 1},
                      feeds=lambda m: {n: np.random.default_rng(2).standard_normal((1, 5, c)).astype(np.float32)

@@ -1,100 +1,88 @@
-"""The ``legalize`` rule ``shared-splat-scatter``: ScatterElements into a splat that another op also reads, written
-as a chain of Where.
+"""The ``legalize`` rules ``shared-splat-scatter-elements`` and ``shared-splat-scatter-nd``: a scatter whose data is
+a splat that other ops read too gets a splat of its own.
 
-iree-compile 3.13 miscompiles two ScatterElements whose ``data`` is one splat (``Expand`` of a scalar constant,
-or ``ConstantOfShape``): both write into one buffer, so each output holds the other's updates too. Five nodes
-reproduce it (``Expand(0, [T, 8])`` read by two ScatterElements along axis 1: both outputs wrong on llvm-cpu),
-and exporters write it: transformers' JetMoE scatters the top-k gates of every layer's attention experts into one
-shared zeros tensor, so from the second layer on IREE's results are wrong. One ScatterElements into the splat,
-or two into a graph input, are right.
+iree-compile 3.13 miscompiles scatters whose ``data`` is one splat (``Expand`` of a scalar constant, or
+``ConstantOfShape``) read by more than one op: the scatters write into one buffer, so each output holds the
+others' updates too. Five nodes reproduce it (``Expand(0, [T, n])`` read by two ScatterElements, or by two
+``ScatterND(reduction="add")``: both outputs wrong on llvm-cpu), and exporters write it: transformers' JetMoE
+scatters the top-k gates of every layer into one zeros tensor, and adds its attention experts' outputs into
+another (``index_add``). One scatter into a splat, or two into a graph input, are right; two splats of the same
+value are merged into one by the compiler, so a copy of the Expand does not help.
 
-With ``k`` updates per row along ``axis`` (static, at most :data:`MAX_UPDATES`), the scatter is exactly::
+The rewrite gives each scatter a splat that is the same value but that the compiler cannot merge with the
+others, because it is computed from this scatter's own indices::
 
-    out = splat;  for j in 0 .. k-1:  out = Where(Equal(indices[.., j, ..] (negatives + E), iota_axis), updates[.., j, ..], out)
+    data' = Expand(Cast(Add(Mul(Cast(ReduceMin(indices), FLOAT), 0.0), c), data's type), Shape(data))
 
-``iota_axis`` the positions 0 .. E-1 along ``axis``; a later update of the same position wins, as ScatterElements
-applies them in order in ONNX Runtime (the ONNX spec leaves duplicates unspecified). Matched only where
-``indices`` and ``updates`` have ``data``'s shape but along ``axis`` (proven symbolically), so every position
-the scatter writes is one this formula writes.
+``ReduceMin`` of integer indices is a finite integer, times 0.0 is 0 or -0 (float products by zero are not folded:
+they differ for inf and NaN), plus the splat's value ``c`` (as float32: exact for f16, bf16 and f32 values) is
+``c`` (``-0 + 0 = +0``). Float data only: integer products by zero would fold.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
 from rewrite.core.rules import rule
-from rewrite.plugins.expand import SymbolicEvaluator
 
-MAX_UPDATES = 16  #: updates per row along the axis (the Where chain's length)
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_INDEX = (TensorProto.INT64, TensorProto.INT32)
 
 
-def _is_splat(graph, value: str) -> bool:
-    """``value`` is Expand(scalar constant, shape) or ConstantOfShape(shape): one value everywhere."""
+def splat_value(graph, value: str) -> float | None:
+    """The one value of ``value`` when it is Expand(constant of one element, shape) or ConstantOfShape(shape);
+    else None."""
     n = graph.producer_node(value)
     if n is None or n.domain not in ("", "ai.onnx"):
-        return False
+        return None
     if n.op_type == "ConstantOfShape":
-        return True
+        t = n.attr("value")
+        return 0.0 if t is None else float(numpy_helper.to_array(t).ravel()[0])
     if n.op_type == "Expand":
         c = graph.const(n.inputs[0])
-        return c is not None and c.size == 1
-    return False
+        return float(c.ravel()[0]) if c is not None and c.size == 1 else None
+    return None
 
 
-@rule("shared-splat-scatter")
-def shared_splat_scatter(op, data, indices, updates):
-    """ScatterElements(splat read elsewhere too, indices, updates, axis) -> Where chain (module docstring)."""
+@rule("shared-splat-scatter-elements")
+def shared_splat_scatter_elements(op, data, indices, updates):
+    """ScatterElements(splat read elsewhere too, indices, updates) -> the same into a splat of its own."""
     return op.ScatterElements(data, indices, updates, _name="scatter")
 
 
-@shared_splat_scatter.check
-def _(m):
+@rule("shared-splat-scatter-nd")
+def shared_splat_scatter_nd(op, data, indices, updates):
+    """ScatterND(splat read elsewhere too, indices, updates) -> the same into a splat of its own."""
+    return op.ScatterND(data, indices, updates, _name="scatter")
+
+
+def _check(m):
     scatter, g = m.node("scatter"), m.graph
-    if scatter.attr("reduction", "none") not in ("none", b"none"):
-        return m.fail(f"reduction {scatter.attr('reduction')!r}, not none", scatter)
-    if not _is_splat(g, m["data"]):
-        return m.fail(f"data '{m['data']}' is not a splat (Expand of a scalar constant, ConstantOfShape)", scatter)
+    dv = m.value("data")
+    if splat_value(g, m["data"]) is None:
+        return m.fail(f"data '{m['data']}' is not a splat (Expand of a one-element constant, ConstantOfShape)", scatter)
+    if len(g.uses(m["data"])) < 2 and not g.is_graph_output(m["data"]):
+        return m.fail(f"data '{m['data']}' is read by this scatter only (IREE compiles that right)", scatter)
+    if dv.dtype not in _FLOATS:
+        return m.fail(f"data '{m['data']}' is not a float tensor (integer products by zero fold)", scatter)
     if m.value("indices").dtype not in _INDEX:
         return m.fail(f"indices '{m['indices']}' are not int32/int64", scatter)
-    if len(g.uses(m["data"])) < 2:
-        return m.fail(f"data '{m['data']}' is read by this scatter only (IREE compiles that right)", scatter)
-    ev = SymbolicEvaluator(g)
-    ds, ins, us = ev.shape(m["data"]), ev.shape(m["indices"]), ev.shape(m["updates"])
-    if ds is None or ins is None or us is None or not ds or len(ins) != len(ds) or ins != us:
-        return m.fail("shapes of data, indices and updates unknown or different ranks", scatter)
-    axis = scatter.attr("axis", 0) % len(ds)
-    if any(a != b for k, (a, b) in enumerate(zip(ds, ins)) if k != axis):
-        return m.fail("indices do not span data along the other axes (positions left untouched there)", scatter)
-    k = ins[axis]
-    if not isinstance(k, int) or not 1 <= k <= MAX_UPDATES or m.value("data").shape is None:
-        return m.fail(f"{k} updates per row along axis {axis}; a static count of 1 to {MAX_UPDATES} expected", scatter)
 
 
-@shared_splat_scatter.rewrite
-def _(m, b):
+def _rewrite(m, b):
     scatter, dv = m.node("scatter"), m.value("data")
-    rank = len(dv.shape)
-    axis = scatter.attr("axis", 0) % rank
-    k = SymbolicEvaluator(m.graph).shape(m["indices"])[axis]
-    itype = m.value("indices").dtype
-    i64 = lambda v, name: b.const(np.asarray(v, np.int64), name)  # noqa: E731
-    as_index = lambda v: v if itype == TensorProto.INT64 else b.op("Cast", [v], to=itype)  # noqa: E731
-    ax = i64([axis], "axis")
-    extent = b.op("Gather", [b.op("Shape", [m["data"]]), ax], axis=0)  # [1]: E
-    view = [1] * rank
-    view[axis] = -1
-    iota = as_index(b.op("Reshape", [b.op("Range", [i64(0, "zero"), b.op("Squeeze", [extent, i64([0], "first")]), i64(1, "one")]),
-                                     i64(view, "view")]))
-    extent, zero = as_index(extent), b.const(np.zeros((), _INDEX[itype]), "zero_index")
-    out = m["data"]
-    for j in range(k):
-        lo, hi = i64([j], "lo"), i64([j + 1], "hi")
-        idx = b.op("Slice", [m["indices"], lo, hi, ax])
-        idx = b.op("Where", [b.op("Less", [idx, zero]), b.op("Add", [idx, extent]), idx])  # negative: from the end
-        upd = b.op("Slice", [m["updates"], lo, hi, ax])
-        out = b.op("Where", [b.op("Equal", [idx, iota]), upd, out], dtype=dv.dtype, shape=dv.shape)
-    return out
+    c = np.float32(splat_value(m.graph, m["data"]))
+    low = b.op("Cast", [b.op("ReduceMin", [m["indices"]], keepdims=0)], to=TensorProto.FLOAT)
+    value = b.op("Add", [b.op("Mul", [low, b.const(np.float32(0.0), "zero")]), b.const(c, "splat_value")])
+    if dv.dtype != TensorProto.FLOAT:
+        value = b.op("Cast", [value], to=dv.dtype)
+    own = b.op("Expand", [value, b.op("Shape", [m["data"]])], dtype=dv.dtype, shape=dv.shape)
+    attrs = {a: scatter.attr(a) for a in ("axis", "reduction") if scatter.attr(a) is not None}
+    return b.op(scatter.op_type, [own, m["indices"], m["updates"]], dtype=dv.dtype,
+                shape=m.graph.values[scatter.outputs[0]].shape, **attrs)
 
 
-_INDEX = {TensorProto.INT64: np.int64, TensorProto.INT32: np.int32}
+for _rule in (shared_splat_scatter_elements, shared_splat_scatter_nd):
+    _rule.check(_check)
+    _rule.rewrite(_rewrite)
