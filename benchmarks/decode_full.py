@@ -68,7 +68,8 @@ MAX_SEQ = 256
 #: name -> (backend, plugins, more apply arguments). "iree-plain": only what IREE needs to compile the quantized model
 #: at all (INT4 dense weights, legal ops, static shapes, static cache); the MoE block and router are IREE's own
 #: lowering. "iree-t1": the fused model compiled for one token per call (``--dim seq_len=1``: static shapes let IREE
-#: pick its matrix-vector code for the dense MatMuls); its prefill is one call per prompt token.
+#: pick its matrix-vector code for the dense MatMuls, and the step's command buffer is recorded once); its prefill is
+#: one call per prompt token. "iree-t1-nomerge": the same without matmul4's shared-input merge.
 CONFIGS = {
     "iree": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ()),
     "iree-t1": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ("--dim", "seq_len=1")),
