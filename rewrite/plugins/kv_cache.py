@@ -51,12 +51,12 @@ class KVCacheUpdate(AbstractOp):
     or ``position + S`` when negative (ScatterElements' index normalization, ONNX spec ScatterElements-18).
 
     Out-of-range writes (``p + n > S``): the reference raises ``ValueError``, ORT's ScatterND raises, the IREE
-    lowering clamps the offset to ``S - n`` (``tensor.insert_slice`` out of bounds is undefined behaviour);
+    lowering clamps the offset to ``S - n`` (an out-of-bounds write would be undefined behaviour);
     :mod:`rewrite.generate` refuses such positions before calling the model.
     """
 
     ort_targets = ("cpu", "cuda")  # standard ONNX ScatterND
-    iree_targets = ("llvm-cpu", "cuda")  # tensor.insert_slice: no kernel
+    iree_targets = ("llvm-cpu", "cuda")  # iree_linalg_ext.scatter: no kernel
 
     op_type = "KVCacheUpdate"
 
@@ -116,7 +116,8 @@ class KVCacheUpdate(AbstractOp):
         graph.replace_node(node, [out])
 
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
-        """``tensor.insert_slice update into past[.., offset, ..]`` (see :func:`insert_rows_mlir`)."""
+        """``update`` scattered into ``past`` at rows ``offset ..`` of ``axis``, the offset computed on the device
+        (see :func:`insert_rows_mlir`)."""
         past, update, pos = op.operand_types
         axis = int(op.attrs["axis"]) % len(past.dims)
         seq = past.dims[axis] if past.dims[axis] is not None else f"%in0_d{axis}"

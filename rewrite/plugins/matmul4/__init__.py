@@ -24,10 +24,9 @@ from onnx import TensorProto
 
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.int4 import pack_int4
-from rewrite.core.ir import dtype_name
-from rewrite.core.pattern import AttrVar, Var
 from rewrite.core.driver import PluginReport, apply_rules
-from rewrite.core.ir import Graph
+from rewrite.core.ir import Graph, dtype_name
+from rewrite.core.pattern import AttrVar, Var
 from rewrite.core.rules import rule
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import KernelObject, Plugin

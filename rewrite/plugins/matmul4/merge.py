@@ -45,31 +45,32 @@ def merge_shared_input(graph: Graph, report: PluginReport, *, dry_run: bool = Fa
     """Merge each group of two or more MatMulInt4 nodes that read the same A (module docstring); returns the
     number of groups merged and records them in ``report`` under :data:`RULE`."""
     rr = report.rule(RULE)
-    groups: dict[tuple, list[Node]] = defaultdict(list)
+    groups: dict[tuple, list[tuple[Node, tuple]]] = defaultdict(list)  # key -> (node, its weights)
     for node in graph.nodes_by_op("MatMulInt4", DOMAIN):
         if node.attr("splits"):  # merged already
             continue
-        if _weights(graph, node) is None:
+        weights = _weights(graph, node)
+        if weights is None:
             rr.refusals.setdefault("B, scales or zero points not initializers", []).append(node.name)
             continue
         out = graph.values[node.outputs[0]]
         key = (node.inputs[0], int(node.attr("K")), int(node.attr("block_size")), out.dtype)
-        groups[key].append(node)
+        groups[key].append((node, weights))
     chunks = []
-    for key, nodes in groups.items():
-        nodes.sort(key=lambda n: n.order)
-        chunks += [(key, nodes[i:i + MAX_OUTPUTS]) for i in range(0, len(nodes), MAX_OUTPUTS)]
+    for key, members in groups.items():
+        members.sort(key=lambda nw: nw[0].order)
+        chunks += [(key, members[i:i + MAX_OUTPUTS]) for i in range(0, len(members), MAX_OUTPUTS)]
     merged = 0
-    for (a, k, bs, dtype), nodes in chunks:
-        if len(nodes) < 2:
+    for (a, k, bs, dtype), members in chunks:
+        if len(members) < 2:
             continue
+        nodes, parts = [n for n, _ in members], [w for _, w in members]
         merged += 1
         rr.matches += 1
         rr.nodes_removed += len(nodes)
         rr.nodes_added += 1
         if dry_run:
             continue
-        parts = [_weights(graph, n) for n in nodes]
         widths = [int(n.attr("N")) for n in nodes]
         with_zp = any(z is not None for _, _, z in parts)
         b = Builder(graph, RULE, nodes[0].order, nodes[0].name)

@@ -216,9 +216,9 @@ class MatMulInt4(AbstractOp):
         # A and Y go to the kernel in their own shapes (a pointer is all it takes): reshapes around the dispatch
         # make iree-compile 3.13 fail in SinkReshapes ("failed to sink reshape ops") on a 6-layer model
         body = rows + f"""
-    %c8 = arith.constant {tokens} : index
+    %tok = arith.constant {tokens} : index
     %gx = arith.constant {-(-t.N // (CUDA_THREADS // 32))} : index
-    %gy = arith.ceildivui %m, %c8 : index
+    %gy = arith.ceildivui %m, %tok : index
     %z = arith.constant dense<0> : tensor<1xi8>
     %m32 = arith.index_cast %m : index to i32
     %k32 = arith.constant {t.K} : i32
