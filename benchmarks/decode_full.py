@@ -60,6 +60,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
+from rewrite.generate import greedy_token  # noqa: E402
+
 PROMPT_LEN = 128
 DECODE_STEPS = 64
 CHECK_PROMPT = 16  #: prompt tokens of the token check (the reference's gather-then-dequantize experts cost ~T x k)
@@ -191,13 +193,14 @@ def _timed_generate(step, prompt: list[int], steps: int, width: int | None = Non
     logits [1, n, vocab]`` (host). Returns tokens, the last position's logits of each step and wall times."""
     t0 = time.perf_counter()
     logits = _prefill(step, prompt, width)
-    tokens, last = [int(np.argmax(logits[0, -1]))], [logits[0, -1].astype(np.float32)]
+    tokens, last = [greedy_token(logits[0, -1])], [logits[0, -1]]
     t1 = time.perf_counter()
     for _ in range(steps - 1):
         logits = step(np.array([[tokens[-1]]], np.int64))
-        tokens.append(int(np.argmax(logits[0, -1])))
-        last.append(logits[0, -1].astype(np.float32))
+        tokens.append(greedy_token(logits[0, -1]))
+        last.append(logits[0, -1])  # converted after the timing: a 152k-entry f16 -> f32 copy costs ~0.3 ms
     t2 = time.perf_counter()
+    last = [row.astype(np.float32) for row in last]
     return {"tokens": tokens, "logits": np.stack(last), "prefill_s": t1 - t0, "decode_s": t2 - t1,
             "prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": (steps - 1) / (t2 - t1)}
 
@@ -234,7 +237,7 @@ def kernel_profile(step, token: int, steps: int = PROFILE_STEPS) -> list[dict]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 logits = step(np.array([[token]], np.int64))
-                token = int(np.argmax(logits[0, -1]))
+                token = greedy_token(logits[0, -1])
         rows = [{"kernel": e.key, "us_per_token": e.device_time_total / steps, "launches_per_token": e.count / steps}
                 for e in prof.key_averages() if e.device_time_total > 0]
     except Exception as e:  # a profiler that cannot attach must not cost the run's other numbers

@@ -9,7 +9,7 @@ The kernels are launched as IREE launches them (``lower_iree_cuda``): the bindin
 constants as 32-bit integers, on the same grid. ``LAYERS`` weight sets (more bytes than the L2 holds) are used in
 turn, so each call reads its weight from HBM, as a decode step does; ``ITERS`` calls are captured in a CUDA graph
 and its replays timed with CUDA events (``timed`` of benchmarks/moe_cuda_kernels.py). Bytes per call: the weight
-(codes, scales and zero points for INT4), plus A and Y. Exits 1 when a kernel's output is off its reference.
+(codes, scales and zero points for INT4), plus A, Y and an addend. Exits 1 when a kernel's output is off its reference.
 """
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ SHAPES = {
     "qwen1.5 q+k+v merged": (2048, 6144),  # the shared-input merge: one launch over the members' columns
     "qwen1.5 gate+up merged": (2048, 11264),
     "qwen3 q+k+v merged": (2048, 5120),
+}
+#: name -> (K, N, epilogue): the matmul4 epilogues at their layer shapes ("swiglu": the *_swiglu kernel, N/2
+#: outputs; "bias" / "residual": an addend of [N] / [T, N], the output-add rule's)
+EPILOGUE_SHAPES = {
+    "qwen1.5 gate+up swiglu": (2048, 11264, "swiglu"),
+    "qwen1.5 q + bias": (2048, 2048, "bias"),
+    "qwen1.5 o + residual": (2048, 2048, "residual"),
 }
 #: name -> (K, N): the f16 LM heads (DenseMatMul), 151936-token vocabularies
 DENSE_SHAPES = {"qwen1.5 / qwen3 lm head": (2048, 151936)}
@@ -66,7 +73,8 @@ def main() -> int:
     print(f"{'shape':<24} {'K':>5} {'N':>5} {'T':>4} {'us':>8} {'MB':>7} {'GB/s':>6} {'of copy':>8}  check")
     rng = np.random.default_rng(0)
     failed = 0
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n, *epilogue) in [*SHAPES.items(), *EPILOGUE_SHAPES.items()]:
+        epi = epilogue[0] if epilogue else None
         nb = -(-k // BLOCK)
         crng = cp.random.RandomState(k + n)
         layers = [dict(w=crng.randint(0, 256, (n, k // 2), dtype=cp.uint8),
@@ -75,25 +83,32 @@ def main() -> int:
         host = {key: cp.asnumpy(v) for key, v in layers[0].items()}
         vec = 32 if k % 32 == 0 and BLOCK % 32 == 0 else 8
         for t in (int(v) for v in args.tokens.split(",")):
-            kernel = mod.get_function(f"matmul_int4_f16_v{vec}" + ("_t1" if t == 1 else ""))  # as the lowering picks
+            # as the lowering picks
+            kernel = mod.get_function(f"matmul_int4_f16_v{vec}" + ("_t1" if t == 1 else "") + ("_swiglu" if epi == "swiglu" else ""))
             a = rng.standard_normal((t, k)).astype(np.float16)
-            da, y = cp.asarray(a), cp.zeros((t, n), cp.float16)
-            grid = (-(-n // (CUDA_THREADS // 32)), t if t == 1 else -(-t // CUDA_TOKENS))
-            consts = [np.int32(c) for c in (t, k, n, BLOCK, 1, n, 0)]  # m, k, n, bs, has_zp, n0, n1 (one output)
+            cols = n // 2 if epi == "swiglu" else n
+            addend = {"bias": rng.standard_normal(n), "residual": rng.standard_normal((t, n))}.get(epi, np.zeros(1))
+            addend = addend.astype(np.float16)
+            da, dadd, y = cp.asarray(a), cp.asarray(addend), cp.zeros((t, cols), cp.float16)
+            grid = (-(-cols // (CUDA_THREADS // 32)), t if t == 1 else -(-t // CUDA_TOKENS))
+            add_mode = {"bias": 1, "residual": 2}.get(epi, 0)
+            consts = [np.int32(c) for c in (t, k, n, BLOCK, 1, n, 0, add_mode)]  # m, k, n, bs, has_zp, n0, n1, add_mode
 
             def launch(layer: int) -> None:
                 d = layers[layer]
-                kernel(grid, (CUDA_THREADS,), (da, d["w"], d["s"], d["z"], y, *consts))
+                kernel(grid, (CUDA_THREADS,), (da, d["w"], d["s"], d["z"], dadd, y, *consts))
 
             launch(0)
             cp.cuda.Device().synchronize()
-            want = MatMulInt4().reference(dict(K=k, N=n, block_size=BLOCK), a, host["w"], host["s"], host["z"])[0]
+            attrs = dict(K=k, N=n, block_size=BLOCK, **({"activation": "swiglu"} if epi == "swiglu" else {}))
+            extra = [addend] if epi in ("bias", "residual") else []
+            want = MatMulInt4().reference(attrs, a, host["w"], host["s"], host["z"], *extra)[0]
             got = cp.asnumpy(y).astype(np.float64)
             err = float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
             ok = err <= 1e-2
             failed += not ok
             us = timed(cp, [lambda i=i: launch(i % LAYERS) for i in range(ITERS)], args.reps)
-            nbytes = host["w"].nbytes + host["s"].nbytes + host["z"].nbytes + a.nbytes + t * n * 2
+            nbytes = host["w"].nbytes + host["s"].nbytes + host["z"].nbytes + a.nbytes + t * cols * 2 + (addend.nbytes if extra else 0)
             print(f"{name:<24} {k:>5} {n:>5} {t:>4} {us:>8.1f} {nbytes / 1e6:>7.2f} {nbytes / us / 1e3:>6.0f} "
                   f"{nbytes / us / 1e3 / (bw / 1e9):>8.1%}  rel. error {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
     dense = dense_mod.get_function("dense_matmul_f16")

@@ -51,6 +51,10 @@ CONFIGS = (
     ("iree", "cast,legalize,expand,kv,topk,moe", True),  # FusedMoE: the moe plugin's CUDA kernels
     ("iree", "quant4,cast,legalize,expand,kv,topk,moe", True),  # INT4 experts: against the quantized model
     ("ort", "quant4,cast,kv,topk,moe", True),  # QMoE (fp16) / dequantized MoE (fp32): against the quantized model
+    # dense INT4 too: matmul4's CUDA kernels, merged q/k/v with their biases, gate/up with their SwiGLU, o with its
+    # residual add
+    ("iree", "quant4,matmul4,cast,legalize,expand,kv,topk,moe", True),
+    ("ort", "quant4,matmul4,cast,kv,topk,moe", True),
 )
 #: plugin sets for the other families (``--families``): the coverage matrix's ``topk,moe`` with a static KV cache
 FAMILY_CONFIGS = (

@@ -48,6 +48,22 @@ class GenerationError(RewriteError):
         self.positions = positions
 
 
+def greedy_token(row: np.ndarray) -> int:
+    """``np.argmax(row)`` of one logits row [vocab] (the same index, ties and NaNs included).
+
+    numpy's argmax has no vectorized float16 loop (about 1 ms for a 151,936-token f16 row on a server core), so an
+    f16 row is compared through its bit patterns as int16, mapped to keep the float order (negative values' magnitude
+    bits flipped): about 50 us. Rows with a NaN or whose maximum is a zero (-0.0 and 0.0 are equal to argmax) go to
+    np.argmax."""
+    if row.dtype != np.float16 or row.ndim != 1:
+        return int(np.argmax(row))
+    bits = np.ascontiguousarray(row).view(np.int16)
+    k = int(np.argmax(bits ^ ((bits >> 15) & np.int16(0x7FFF))))
+    if row[k] == 0 or ((bits & np.int16(0x7FFF)) > np.int16(0x7C00)).any():
+        return int(np.argmax(row))
+    return k
+
+
 @dataclass
 class GenerateResult:
     """``tokens``: the new token ids (prompt excluded); ``logits``: per call, float ``[1, n, vocab]``."""
@@ -214,7 +230,7 @@ class Generator:
         for _ in range(max_new_tokens):
             logits = self.step(ids)
             res.logits.append(logits)
-            res.tokens.append(int(np.argmax(logits[0, -1])))
+            res.tokens.append(greedy_token(logits[0, -1]))
             ids = np.array([[res.tokens[-1]]], np.int64)
         return res
 

@@ -5,9 +5,14 @@ the CUDA lowering compiles (shipped PTX, no GPU)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import numpy as np
 import onnx
 import pytest
+
+from iree.compiler.tools.binaries import find_tool
 
 from rewrite.generate import Generator
 from rewrite.pipeline import apply
@@ -17,6 +22,8 @@ PROMPT = [3, 141, 59, 26, 5]
 DENSE_PER_LAYER = 7
 #: after the shared-input merge: q/k/v as one, o, the shared expert's gate/up as one, down
 MERGED_PER_LAYER = 4
+#: per layer: the q, k and v biases and the residual after o (output-add), the shared expert's SwiGLU (swiglu)
+ADDS_PER_LAYER, SWIGLU_PER_LAYER = 4, 1
 FUSED = "quant4,matmul4,cast,legalize,expand,kv,topk,moe"
 
 
@@ -40,7 +47,12 @@ def test_every_dense_int4_matmul_is_fused(quantized):
     rules = {r["rule"]: r for r in report["rules"]}
     assert rules["dense-int4-matmul"]["matches"] == DENSE_PER_LAYER * 2 and rules["dense-int4-matmul"]["refusals"] == []
     assert rules["shared-input"]["matches"] == 2 * 2
+    assert rules["swiglu"]["matches"] == SWIGLU_PER_LAYER * 2 and rules["output-add"]["matches"] == ADDS_PER_LAYER * 2
     assert _ops(base / "iree", "MatMulInt4") == MERGED_PER_LAYER * 2
+    model = onnx.load(str(base / "iree" / "model.onnx"), load_external_data=False)
+    acts = [a.s for n in model.graph.node if n.op_type == "MatMulInt4" for a in n.attribute if a.name == "activation"]
+    assert acts == [b"swiglu"] * 2
+    assert sum(len([i for i in n.input[4:] if i]) for n in model.graph.node if n.op_type == "MatMulInt4") == ADDS_PER_LAYER * 2
     assert _ops(base / "iree", "DequantizeLinear") == 0  # the experts' go into FusedMoE, the dense ones here
 
 
@@ -75,14 +87,14 @@ def test_plugin_order_is_declared(seed_fp32, tmp_path):
     """matmul4 runs after quant4 and before legalize whatever the order given: the same matches."""
     m = apply(seed_fp32[0], tmp_path / "o", plugins="legalize,matmul4,quant4", backend="ort")
     assert m.plugins == ["quant4", "matmul4", "legalize"]
-    assert [r["matches"] for r in m.report if r["plugin"] == "matmul4"] == [DENSE_PER_LAYER * 2 + 2 * 2]
+    assert [r["matches"] for r in m.report if r["plugin"] == "matmul4"] == [(DENSE_PER_LAYER + 2 + ADDS_PER_LAYER + SWIGLU_PER_LAYER) * 2]
 
 
 @pytest.mark.slow
 def test_cuda_lowering_compiles(tmp_path):
     """iree --target cuda on a 6-layer f16 seed form: one dispatch of the shipped PTX kernel per MatMulInt4 (the
-    merged q/k/v through the three-output kernel, gate/up through the two-output one), and the module compiles (no
-    GPU). Reshapes around these dispatches made iree-compile 3.13 fail from 6 layers up
+    merged q/k/v and their biases through the three-output kernel, gate/up and their SwiGLU through the swiglu one,
+    o and its residual add), and the module compiles (no GPU). Reshapes around these dispatches made iree-compile 3.13 fail from 6 layers up
     ("failed to sink reshape ops"); the dispatch takes A and returns Y in their own shapes."""
     import seed_form
 
@@ -91,10 +103,42 @@ def test_cuda_lowering_compiles(tmp_path):
     path = seed_form.save_seed_model(model, tmp_path / "seed6.onnx")
     m = apply(path, tmp_path / "cuda", plugins=FUSED, backend="iree", target="cuda", options={"stateful": True})
     mlir = (tmp_path / "cuda" / "model.mlir").read_text()
-    assert mlir.count("flow.dispatch @matmul4_exec_f16_v32::@matmul_int4_f16_v32[") == 2 * 6
-    assert mlir.count("flow.dispatch @matmul4_exec_f16_v32_o3::@matmul_int4_f16_v32_o3[") == 6
-    assert mlir.count("flow.dispatch @matmul4_exec_f16_v32_o2::@matmul_int4_f16_v32_o2[") == 6
+    assert mlir.count("flow.dispatch @matmul4_exec::@matmul_int4_f16_v32[") == 2 * 6
+    assert mlir.count("flow.dispatch @matmul4_exec::@matmul_int4_f16_v32_o3[") == 6
+    assert mlir.count("flow.dispatch @matmul4_exec::@matmul_int4_f16_v32_swiglu[") == 6
+    assert "::@matmul_int4_f16_v32_o2[" not in mlir
     wrapper = mlir.split("func.func private @rewrite_MatMulInt4_0", 1)[1].split("\n  }", 1)[0]
     assert "flow.dispatch" in wrapper and "collapse_shape" not in wrapper and "expand_shape" not in wrapper
     assert any(k.startswith("kernels/matmul4_cuda-") for k in m.kernel_objects)
     assert (tmp_path / "cuda" / "model.vmfb").stat().st_size > 0
+    # the kernels survive iree-compile's executable deduplication (exports of one executable source)
+    flags = (tmp_path / "cuda" / "compile.log").read_text().split("\n", 1)[0].split()[4:]
+    flow = tmp_path / "flow.mlir"
+    subprocess.run([find_tool("iree-compile"), "model.mlir", *flags, "--compile-to=flow", "-o", str(flow)],
+                   check=True, cwd=tmp_path / "cuda", capture_output=True)
+    calls = re.findall(r"flow\.dispatch @matmul4_exec::@(matmul_int4_\w+)\[", flow.read_text())
+    assert sorted(set(calls)) == ["matmul_int4_f16_v32", "matmul_int4_f16_v32_o3", "matmul_int4_f16_v32_swiglu"]
+    assert calls.count("matmul_int4_f16_v32_swiglu") == 6
+
+
+def test_transformers_export_at_opset_20(qwen2_moe_tiny, tmp_path):
+    """transformers' exporter writes opset 20 and the shared expert's Linear layers as Gemm(transB=1); quant4 moves
+    the model to 21 before matmul4 runs, so the two run together on it: every dense product fused (q/k/v merged
+    with their biases, the shared expert's gate/up with their SwiGLU, o with the residual add), and IREE llvm-cpu
+    decodes the quantized model's tokens."""
+    import onnx as onnx_
+
+    assert onnx_.load(str(qwen2_moe_tiny), load_external_data=False).opset_import[0].version == 20
+    small = {"block_size": 32, "min_elements": 256}  # the tiny model's shared expert too
+    apply(qwen2_moe_tiny, tmp_path / "ref", plugins="quant4", backend="ort", options={"ort_matmul_nbits": False, "quant4": small})
+    m = apply(qwen2_moe_tiny, tmp_path / "iree", plugins="quant4,matmul4,cast,legalize,expand,kv,topk,moe", backend="iree",
+              options={"kv": {"max_seq": 32}, "quant4": small})
+    (report,) = [r for r in m.report if r["plugin"] == "matmul4"]
+    rules = {r["rule"]: r["matches"] for r in report["rules"]}
+    layers = _ops(tmp_path / "ref", "Softmax") // 2  # one in attention, one in the router per layer
+    # per layer: q, k, v, o (MatMul), the shared expert's gate, up, down (Gemm, transB=1)
+    assert rules["dense-int4-matmul"] == 4 * layers and rules["dense-int4-gemm"] == 3 * layers
+    assert rules["shared-input"] == 2 * layers and rules["swiglu"] == layers and rules["output-add"] == 4 * layers
+    got = Generator(tmp_path / "iree").generate(PROMPT, 8)
+    ref = Generator.reference(tmp_path / "ref" / "model.onnx").generate(PROMPT, 8)
+    assert got.tokens == ref.tokens

@@ -66,7 +66,11 @@ _TARGET_FLAGS: dict[str, tuple[str, ...]] = {
         # 3.13: 107 bytes of a tiny model's .vmfb); without it the output is reproducible
         "--iree-llvmcpu-debug-symbols=false",
     ),
-    "cuda": ("--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80"),
+    # dispatch creation at O3 fuses elementwise ops into the reductions and contractions around them (iree-compile
+    # 3.13: a 2-layer Qwen1.5-MoE decode step in 48 dispatches instead of 56); at decode each dispatch is a launch.
+    # Not --iree-opt-level=O3: its global optimization makes a router's 1x60x2048 MatMul a matvec reading the
+    # [K, N] weight across rows, 52 us a call on an H200 instead of a few (BENCHMARKS.md, 2026-12-04)
+    "cuda": ("--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80", "--iree-dispatch-creation-opt-level=O3"),
 }
 
 DRIVER_FOR_TARGET: dict[str, str] = {"llvm-cpu": "local-task", "cuda": "cuda"}

@@ -290,30 +290,33 @@ def check_error(run: CaseRun) -> None:
 
 def check_kernel(op: AbstractOp, backend: str, workdir: Path, seed: int = 0) -> None:
     """Lower each ``op.sample_inputs(rng)`` sample as a one-node model for ``backend``; compare with ``reference``.
+    A sample input ``None`` is an absent optional input (``""`` in the node, ``None`` to ``reference``).
 
     Raises ConformanceFailure naming op, sample (attrs and input shapes) and the differing output.
     """
     rng = np.random.default_rng(seed)
     for k, (attrs, inputs) in enumerate(op.sample_inputs(rng)):
-        inputs = [np.asarray(x) for x in inputs]
+        inputs = [None if x is None else np.asarray(x) for x in inputs]
         ref = [np.asarray(r) for r in op.reference(attrs, *inputs)]
         model = _single_op_model(op, attrs, inputs, ref)
         folder = lower_graph(onnx_io.load(model), backend, Path(workdir) / f"{op.op_type}-{backend}-{k}", [op])
         runner = load_runner(folder)
-        got = runner.run({f"in{i}": x for i, x in enumerate(inputs)})
+        got = runner.run({f"in{i}": x for i, x in enumerate(inputs) if x is not None})
         for i, r in enumerate(ref):
             c = compare(f"out{i}", got[f"out{i}"], r)
             if not c.ok:
-                shapes = [list(x.shape) for x in inputs]
+                shapes = [None if x is None else list(x.shape) for x in inputs]
                 raise ConformanceFailure(f"abstract op {op.op_type} on {backend}, sample {k} (attrs {attrs}, input shapes {shapes}): {c.line()}")
 
 
-def _single_op_model(op: AbstractOp, attrs: dict, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> onnx.ModelProto:
+def _single_op_model(op: AbstractOp, attrs: dict, inputs: list[np.ndarray | None], outputs: list[np.ndarray]) -> onnx.ModelProto:
     def vi(name: str, a: np.ndarray) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
 
-    node = helper.make_node(op.op_type, [f"in{i}" for i in range(len(inputs))], [f"out{i}" for i in range(len(outputs))], domain=op.domain, name=op.op_type, **attrs)
-    g = helper.make_graph([node], "main_graph", [vi(f"in{i}", x) for i, x in enumerate(inputs)], [vi(f"out{i}", r) for i, r in enumerate(outputs)])
+    names = ["" if x is None else f"in{i}" for i, x in enumerate(inputs)]
+    node = helper.make_node(op.op_type, names, [f"out{i}" for i in range(len(outputs))], domain=op.domain, name=op.op_type, **attrs)
+    g = helper.make_graph([node], "main_graph", [vi(n, x) for n, x in zip(names, inputs) if n],
+                          [vi(f"out{i}", r) for i, r in enumerate(outputs)])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
 
 

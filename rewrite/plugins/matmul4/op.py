@@ -7,25 +7,34 @@ Contract (inputs; K the reduction size, N the output size, nb = ceil(K / block_s
    element in the low nibble (com.microsoft MatMulNBits / QMoE packing, :func:`rewrite.core.int4.pack_int4`)
 2. ``scales`` [N, nb], A's dtype
 3. ``zero_points`` UINT8 [N, nb] (optional; absent means 8, MatMulNBits' default)
+4. .. ``addend_i`` (optional, one per output, absent ones ``""``): A's dtype, [width_i] (a bias, added to every
+   row) or output i's own shape (a residual)
 
-Attributes ``K``, ``N``, ``block_size`` and optionally ``splits`` (2 or 3 widths summing to N). Output ``Y``
-[..., N] in A's dtype, or with ``splits`` one output per width, ``Y_i`` [..., splits[i]] = Y's next splits[i]
-columns (the ``shared-input`` merge of products reading one A, :mod:`rewrite.plugins.matmul4.merge`)::
+Attributes ``K``, ``N``, ``block_size``, optionally ``splits`` (2 or 3 widths summing to N) and ``activation``
+(``"swiglu"``: no splits, no addends). Output ``Y`` [..., N] in A's dtype, or with ``splits`` one output per
+width, ``Y_i`` [..., splits[i]] = Y's next splits[i] columns (the ``shared-input`` merge of products reading one A,
+:mod:`rewrite.plugins.matmul4.merge`)::
 
     W[k, n] = (code[n, k] - zero_point[n, k // block_size]) * scales[n, k // block_size]
-    Y = A @ W                                  (summed in float32)
+    Y = A @ W                                  (summed in float32, rounded to A's dtype)
+    Y_i = Y_i + addend_i                       (in A's dtype: the ONNX Add the output-add rule fused)
+
+With ``activation="swiglu"`` the one output is [..., N/2]: ``G = Y[..., :N/2]``, ``U = Y[..., N/2:]``,
+``Y' = (G * Sigmoid(G)) * U``, each of Sigmoid and the two products rounded to A's dtype as the ONNX ops it
+replaces (the ``swiglu`` rule, :mod:`rewrite.plugins.matmul4.epilogue`).
 
 ``W`` is what ``DequantizeLinear(codes [K, N], scales [nb, N], zero_points, axis=0, block_size)`` (ONNX
 DequantizeLinear-21) computes from the ``quant4`` plugin's dense form, which the ``matmul4`` rule replaces.
 
 Lowerings: ONNX Runtime (CPU and CUDA) gets that DequantizeLinear -> MatMul pair back (then a Split for
-``splits``), which the ``ort`` backend turns into com.microsoft MatMulNBits
-(:mod:`rewrite.backends.ort_matmul_nbits`); IREE llvm-cpu gets the dequantization and the product as two
-``linalg.generic`` ops (IREE's own code) and a slice per output; IREE cuda gets one dispatch of
-``kernels/matmul4_cuda.cu``, the dequantization inside the dot product, each column stored straight into its
-output, so a decode step reads each weight byte once (iree-compile 3.13 materializes the dequantized weight of the
-DequantizeLinear form at every call and runs the product at 230 GB/s on an H200: BENCHMARKS.md, "Full-size decode
-on the H200").
+``splits``, the Sigmoid and Muls for ``swiglu``, an Add per addend), which the ``ort`` backend turns into
+com.microsoft MatMulNBits (:mod:`rewrite.backends.ort_matmul_nbits`); IREE llvm-cpu gets the dequantization and
+the product as ``linalg.generic`` ops (IREE's own code), a slice per output and the epilogue; IREE cuda gets one
+dispatch of ``kernels/matmul4_cuda.cu``, the dequantization inside the dot product and the epilogue in its store,
+each column stored straight into its output, so a decode step reads each weight byte once (iree-compile 3.13
+materializes the dequantized weight of the DequantizeLinear form at every call and runs the product at 230 GB/s
+on an H200: BENCHMARKS.md, "Full-size decode on the H200"), and launches once for a projection and its bias or
+residual add, or for the gate and up projections and their SwiGLU.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ from onnx import TensorProto
 
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.int4 import pack_int4, unpack_int4
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings, row_count, rows_result, rows_view
+from rewrite.core.iree_lowering import (IreeLowering, PatchContext, TorchOperator, VTensor, kernel_bindings, row_count,
+                                        rows_result, rows_view)
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
@@ -65,32 +75,52 @@ class MatMulInt4(AbstractOp):
     def lowerings(self) -> list[Lowering]:
         return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
-    def reference(self, attrs: dict, a, codes, scales, zero_points=None) -> list[np.ndarray]:
-        """numpy float32 evaluation of the contract; returns [Y] (or one array per split) in A's dtype."""
+    def reference(self, attrs: dict, a, codes, scales, zero_points=None, *addends) -> list[np.ndarray]:
+        """numpy float32 evaluation of the contract, each ONNX op's result rounded to A's dtype; returns [Y] (or
+        one array per split) in A's dtype."""
+        dt, f32 = a.dtype, np.float32
         w = dequantize(codes, scales, zero_points, int(attrs["K"]), int(attrs["block_size"]))
-        y = (a.astype(np.float32) @ w).astype(a.dtype)
+        y = (a.astype(f32) @ w).astype(dt)
+        if attrs.get("activation") == "swiglu":
+            half = y.shape[-1] // 2
+            g, u = y[..., :half].astype(f32), y[..., half:].astype(f32)
+            sig = (1.0 / (1.0 + np.exp(-g))).astype(dt).astype(f32)
+            return [((g * sig).astype(dt).astype(f32) * u).astype(dt)]
         splits = attrs.get("splits")
-        return np.split(y, np.cumsum(splits)[:-1], axis=-1) if splits else [y]
+        ys = np.split(y, np.cumsum(splits)[:-1], axis=-1) if splits else [y]
+        return [yi if add is None else (yi.astype(f32) + np.asarray(add).astype(f32)).astype(dt)
+                for yi, add in zip(ys, list(addends) + [None] * (len(ys) - len(addends)))]
 
     def sample_inputs(self, rng: np.random.Generator) -> list[tuple[dict, list[np.ndarray]]]:
-        """Conformance-kit samples: a partial last block, no zero points, f16, 3-D A, rows not a multiple of 8."""
-        def case(m, k, n, bs, dt, zp=True, lead=(), splits=None):
+        """Conformance-kit samples: a partial last block, no zero points, f16, 3-D A, rows not a multiple of 8,
+        splits, addends (a bias, a residual, absent ones) and SwiGLU."""
+        def case(m, k, n, bs, dt, zp=True, lead=(), splits=None, adds=(), act=None):
             nb = -(-k // bs)
             a = rng.standard_normal((*lead, m, k)).astype(dt)
             ins = [a, pack_int4(rng.integers(0, 16, (n, k))), (rng.random((n, nb)) * 0.1 + 0.01).astype(dt)]
-            if zp:
-                ins.append(rng.integers(0, 16, (n, nb)).astype(np.uint8))
-            return dict(K=k, N=n, block_size=bs, **({"splits": splits} if splits else {})), ins
+            ins.append(rng.integers(0, 16, (n, nb)).astype(np.uint8) if zp else None)
+            for w, add in zip(splits or [n], adds):  # "bias" [w], "residual" [..., m, w] or None
+                ins.append(None if add is None else rng.standard_normal((w,) if add == "bias" else (*lead, m, w)).astype(dt))
+            while ins[-1] is None:
+                ins.pop()
+            attrs = dict(K=k, N=n, block_size=bs, **({"splits": splits} if splits else {}), **({"activation": act} if act else {}))
+            return attrs, ins
         return [case(3, 96, 40, 32, np.float32), case(1, 64, 24, 64, np.float32, zp=False),
                 case(9, 128, 72, 128, np.float16), case(5, 80, 16, 16, np.float16, lead=(2,)),
-                case(2, 64, 56, 32, np.float32, splits=[24, 16, 16]), case(1, 128, 48, 64, np.float16, splits=[40, 8])]
+                case(2, 64, 56, 32, np.float32, splits=[24, 16, 16]), case(1, 128, 48, 64, np.float16, splits=[40, 8]),
+                case(3, 64, 56, 32, np.float16, splits=[24, 16, 16], adds=("bias", None, "residual")),
+                case(1, 96, 32, 32, np.float32, zp=False, lead=(1,), adds=("residual",)),
+                case(2, 64, 48, 64, np.float16, adds=("bias",)),
+                case(3, 64, 48, 32, np.float16, act="swiglu"), case(1, 96, 64, 32, np.float32, zp=False, lead=(1,), act="swiglu")]
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
         """Initializer weights: ``DequantizeLinear(codes [K, N] UINT4, scales [nb, N], zero_points [nb, N] UINT4,
         axis=0, block_size) -> MatMul``, the ``quant4`` form the ort backend then runs as com.microsoft
         MatMulNBits. Weights computed in the graph: the same dequantization in standard ONNX ops (BitwiseAnd and
-        BitShift unpack the nibbles; scales and zero points repeated per block, as ``legalize`` does)."""
+        BitShift unpack the nibbles; scales and zero points repeated per block, as ``legalize`` does). Then the
+        ops the plugin's later rules fused, back as they were: a Split for ``splits``, Split, Sigmoid and two Muls
+        for ``swiglu``, an Add per addend."""
         a, b_in, s_in = node.inputs[:3]
         z_in = node.inputs[3] if len(node.inputs) > 3 else ""
         codes, scales = graph.const(b_in), graph.const(s_in)
@@ -107,24 +137,34 @@ class MatMulInt4(AbstractOp):
         else:
             w = b.op("Transpose", [_dequantize_onnx(b, b_in, s_in, z_in, k, n, bs, dt)], perm=[1, 0], dtype=dt, shape=[k, n])
         splits = node.attr("splits")
-        shape = graph.values[node.outputs[0]].shape
-        y = b.op("MatMul", [a, w], dtype=dt, shape=None if splits else shape)
-        if splits:
-            ys = b.op("Split", [y, b.const(np.array(splits, np.int64), "splits")], outputs=len(splits), axis=-1)
-            for out, new in zip(node.outputs, ys):
-                graph.values[new].set_type(dt, graph.values[out].shape)
-            graph.replace_node(node, list(ys))
+        swiglu = node.attr("activation") == "swiglu"
+        shapes = [graph.values[o].shape for o in node.outputs]
+        y = b.op("MatMul", [a, w], dtype=dt, shape=None if splits or swiglu else shapes[0])
+        if swiglu:  # the ops the swiglu rule fused: Sigmoid(G) * G * U, each in A's dtype
+            g, u = b.op("Split", [y, b.const(np.array([n // 2, n // 2], np.int64), "halves")], outputs=2, axis=-1,
+                        dtype=dt, shape=shapes[0])
+            ys = [b.op("Mul", [b.op("Mul", [g, b.op("Sigmoid", [g], dtype=dt, shape=shapes[0])], dtype=dt, shape=shapes[0]), u],
+                       dtype=dt, shape=shapes[0])]
+        elif splits:
+            ys = list(b.op("Split", [y, b.const(np.array(splits, np.int64), "splits")], outputs=len(splits), axis=-1))
+            for new, shape in zip(ys, shapes):
+                graph.values[new].set_type(dt, shape)
         else:
-            graph.replace_node(node, [y])
+            ys = [y]
+        for i, add in enumerate(node.inputs[4:]):  # the Adds the output-add rule fused
+            if add:
+                ys[i] = b.op("Add", [ys[i], add], dtype=dt, shape=shapes[i])
+        graph.replace_node(node, ys)
         graph.remove_unused_initializers()
 
     # ----------------------------------------------------------------- IREE
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """llvm-cpu: a ``linalg.generic`` dequantizing B into a float32 [N, K] tensor, then one computing
-        ``A W`` over [M, N, K] (M = the product of A's leading dims), truncated to A's type.
+        ``A W`` over [M, N, K] (M = the product of A's leading dims), truncated to A's type; then SwiGLU of its
+        halves, or a slice per output and its addend (:class:`_Types`).
 
         Raises:
-            BackendError: a target other than llvm-cpu, or a dynamic K or N.
+            BackendError: a target other than llvm-cpu, a dynamic K or N, or an operand outside the contract.
         """
         if ctx.target != "llvm-cpu":
             raise BackendError(f"MatMulInt4 linalg lowering asked for target '{ctx.target}'")
@@ -188,13 +228,16 @@ class MatMulInt4(AbstractOp):
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One dispatch of ``kernels/matmul4_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``matmul_int4_<el>_v<VEC>``
-        (``_o2``/``_o3`` with 2 or 3 ``splits``) on (ceil(N / 8), ceil(M / 8)) workgroups of 256 threads: a warp
-        per output column and 8 rows of A, the dequantization inside the dot product (the kernel source's
-        header); for an A of one row (static shape) the ``_t1`` variant, one row per workgroup. Push constants
-        M, K, N, block_size, has_zp, and the first two split widths (i32).
+        (``_o2``/``_o3`` with 2 or 3 ``splits``, ``_swiglu`` with that activation) on (ceil(C / 8), ceil(M / 8))
+        workgroups of 256 threads (C output columns): a warp per output column and 8 rows of A, the dequantization
+        inside the dot product, the addends or SwiGLU in the store (the kernel source's header); for an A of one
+        row (static shape) the ``_t1`` variant, one row per workgroup. Bindings A, B, scales, zero points (a dummy
+        when absent), one addend per output (a dummy when absent), the outputs; push constants M, K, N,
+        block_size, has_zp, the first two split widths and add_mode (i32).
 
         Raises:
-            BackendError: a target other than cuda, a dynamic K or N, or K or the block size not a multiple of 8.
+            BackendError: a target other than cuda, a dynamic K or N, K or the block size not a multiple of 8, or
+                an operand outside the contract (:class:`_Types`).
         """
         if ctx.target != "cuda":
             raise BackendError(f"MatMulInt4 CUDA lowering asked for target '{ctx.target}'")
@@ -206,20 +249,31 @@ class MatMulInt4(AbstractOp):
         outs = len(t.widths)
         one_row = None not in t.a.dims[:-1] and int(np.prod(t.a.dims[:-1])) == 1  # decode: the *_t1 kernels
         tokens = 1 if one_row else CUDA_TOKENS
-        variant = f"{t.el}_v{vec}" + ("_t1" if one_row else "") + (f"_o{outs}" if outs > 1 else "")
-        kernel, name = f"matmul_int4_{variant}", f"matmul4_exec_{variant}"
+        variant = (f"{t.el}_v{vec}" + ("_t1" if one_row else "") + (f"_o{outs}" if outs > 1 else "")
+                   + ("_swiglu" if t.swiglu else ""))
+        kernel, name = f"matmul_int4_{variant}", CUDA_EXECUTABLE
         zp = "%in3" if t.has_zp else "%z"
         ztype = f"tensor<{t.N}x{t.nb}xi8>" if t.has_zp else "tensor<1xi8>"
+        adds, add_types = [], []
+        for i, add in enumerate(t.addends):
+            if add is None:
+                adds.append("%dummy")
+                add_types.append(f"tensor<1x{t.el}>")
+            else:
+                dyn = [f"%in{4 + i}_d{ax}" for ax, d in enumerate(add[1].dims) if d is None]
+                adds.append(f"%in{4 + i}")
+                add_types.append(add[1].builtin + (f"{{{', '.join(dyn)}}}" if dyn else ""))
         rows, dyn, _ = row_count(t.a, t.N)
         results = [row_count(t.a, w)[2] for w in t.widths]
-        n0, n1 = (t.widths + [0, 0])[:2]
+        n0, n1 = ((t.widths if not t.swiglu else []) + [0, 0])[:2]
         # A and Y go to the kernel in their own shapes (a pointer is all it takes): reshapes around the dispatch
         # make iree-compile 3.13 fail in SinkReshapes ("failed to sink reshape ops") on a 6-layer model
         body = rows + f"""
     %tok = arith.constant {tokens} : index
-    %gx = arith.constant {-(-t.N // (CUDA_THREADS // 32))} : index
+    %gx = arith.constant {-(-sum(t.widths) // (CUDA_THREADS // 32))} : index
     %gy = arith.ceildivui %m, %tok : index
     %z = arith.constant dense<0> : tensor<1xi8>
+    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
     %m32 = arith.index_cast %m : index to i32
     %k32 = arith.constant {t.K} : i32
     %n32 = arith.constant {t.N} : i32
@@ -227,13 +281,14 @@ class MatMulInt4(AbstractOp):
     %zp32 = arith.constant {1 if t.has_zp else 0} : i32
     %n0 = arith.constant {n0} : i32
     %n1 = arith.constant {n1} : i32
-    %y{":" + str(outs) if outs > 1 else ""} = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %in2, {zp}, %m32, %k32, %n32, %bs32, %zp32, %n0, %n1) :
-        ({t.a.builtin}{dyn}, tensor<{t.N}x{t.Kp}xi8>, tensor<{t.N}x{t.nb}x{t.el}>, {ztype}, i32, i32, i32, i32, i32, i32, i32)
+    %addm = arith.constant {t.add_mode()} : i32
+    %y{":" + str(outs) if outs > 1 else ""} = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %in2, {zp}, {", ".join(adds)}, %m32, %k32, %n32, %bs32, %zp32, %n0, %n1, %addm) :
+        ({t.a.builtin}{dyn}, tensor<{t.N}x{t.Kp}xi8>, tensor<{t.N}x{t.nb}x{t.el}>, {ztype}, {", ".join(add_types)}, i32, i32, i32, i32, i32, i32, i32, i32)
         -> ({", ".join(r + dyn for r in results)})
 """
         for i, (r, o) in enumerate(zip(results, t.outs)):
             body += f"    %out{i} = tensor.cast %y{'#' + str(i) if outs > 1 else ''} : {r} to {o.builtin}\n"
-        return IreeLowering(body=body, module_items={name: _cuda_executable(name, obj, kernel, outs)})
+        return IreeLowering(body=body, module_items={name: _cuda_executable(obj)})
 
 
 def _dequantize_onnx(b: Builder, codes: str, scales: str, zero_points: str, k: int, n: int, bs: int, dt: int) -> str:
@@ -257,14 +312,23 @@ def _dequantize_onnx(b: Builder, codes: str, scales: str, zero_points: str, k: i
 
 class _Types:
     """An imported MatMulInt4's sizes and the MLIR that views A as [M, K] (``%a``, ``%m``) and the [M, N] result
-    as the output type (``%out0``)."""
+    as the outputs (``%out<i>``), the epilogue (addends, SwiGLU) included.
+
+    Raises:
+        BackendError: splits, activation, addends or shapes outside the contract (module docstring).
+    """
 
     def __init__(self, op: TorchOperator):
         a, b = op.operand_types[0], op.operand_types[1]
         self.a, self.outs = a, op.result_types
         self.K, self.N, self.bs = int(op.attrs["K"]), int(op.attrs["N"]), int(op.attrs["block_size"])
-        self.widths = [int(w) for w in op.attrs.get("splits") or [self.N]]
-        if sum(self.widths) != self.N or len(self.widths) != len(self.outs) or len(self.widths) > 3:
+        self.swiglu = op.attrs.get("activation") == "swiglu"
+        if op.attrs.get("activation") not in (None, "", "swiglu"):
+            raise BackendError(f"MatMulInt4 {op.where}: activation '{op.attrs['activation']}'; only 'swiglu' is defined")
+        if self.swiglu and (self.N % 2 or op.attrs.get("splits") or len(self.outs) != 1):
+            raise BackendError(f"MatMulInt4 {op.where}: activation swiglu needs an even N (got {self.N}), no splits and one output")
+        self.widths = [self.N // 2] if self.swiglu else [int(w) for w in op.attrs.get("splits") or [self.N]]
+        if (not self.swiglu and sum(self.widths) != self.N) or len(self.widths) != len(self.outs) or len(self.widths) > 3:
             raise BackendError(f"MatMulInt4 {op.where}: splits {self.widths} for N={self.N} and {len(self.outs)} "
                                "output(s); 1 to 3 widths summing to N, one per output, expected")
         if a.dims[-1] not in (None, self.K) or b.dims != [self.N, (self.K + 1) // 2]:
@@ -274,30 +338,125 @@ class _Types:
         self.Kp, self.nb = (self.K + 1) // 2, -(-self.K // self.bs)
         self.el = a.builtin_element
         self.has_zp = len(op.operand_types) > 3 and op.operand_types[3].element != "none"
+        # per output: None, ("bias", type) for [width] or ("rows", type) for the output's own shape
+        self.addends: list[tuple[str, VTensor] | None] = [None] * len(self.outs)
+        extra = op.operand_types[4:]
+        if len(extra) > len(self.outs) or (self.swiglu and any(t.element != "none" for t in extra)):
+            raise BackendError(f"MatMulInt4 {op.where}: {len(extra)} addend operand(s) for {len(self.outs)} output(s)"
+                               f"{' with activation swiglu (none allowed)' if self.swiglu else ''}")
+        for i, t in enumerate(extra):
+            if t.element == "none":
+                continue
+            out = self.outs[i]
+            if t.element != a.element or (t.dims != [self.widths[i]] and t.dims != out.dims):
+                raise BackendError(f"MatMulInt4 {op.where}: addend {i} is {t.text}; A's element type and "
+                                   f"[{self.widths[i]}] (a bias) or the output's shape {out.text} expected")
+            self.addends[i] = ("bias" if t.dims == [self.widths[i]] else "rows", t)
 
     def collapse(self) -> str:
         return rows_view(self.a, self.K)
 
+    def add_mode(self) -> int:
+        """The CUDA kernel's ``add_mode`` push constant: 2 bits per output, 0 none, 1 bias, 2 rows."""
+        return sum({"bias": 1, "rows": 2}[a[0]] << (2 * i) for i, a in enumerate(self.addends) if a)
+
     def expand(self, y: str) -> str:
-        """``%out<i>`` from the [M, N] result ``y``: one slice of columns per output, expanded to A's leading dims."""
-        if len(self.widths) == 1:
-            return rows_result(self.a, self.N, y, self.outs[0])
-        el, lines, off = self.a.builtin_element, [], 0
+        """``%out<i>`` from the [M, N] result ``y`` (A's element type): SwiGLU of its halves, or one slice of
+        columns per output plus its addend, expanded to A's leading dims."""
+        if self.swiglu:
+            return self._swiglu(y) + "\n" + rows_result(self.a, self.widths[0], "%ysw", self.outs[0])
+        el, lines, off = self.el, [], 0
         for i, (w, out) in enumerate(zip(self.widths, self.outs)):
-            lines.append(f"    %ys{i} = tensor.extract_slice {y}[0, {off}] [%m, {w}] [1, 1] : tensor<?x{self.N}x{el}> to tensor<?x{w}x{el}>")
-            lines.append(rows_result(self.a, w, f"%ys{i}", out, f"%out{i}"))
+            part = y
+            if len(self.widths) > 1:
+                lines.append(f"    %ys{i} = tensor.extract_slice {y}[0, {off}] [%m, {w}] [1, 1] : tensor<?x{self.N}x{el}> to tensor<?x{w}x{el}>")
+                part = f"%ys{i}"
+            if self.addends[i] is not None:
+                lines.append(self._add(i, part, w))
+                part = f"%ya{i}"
+            lines.append(rows_result(self.a, w, part, out, f"%out{i}"))
             off += w
         return "\n".join(lines)
 
+    def _add(self, i: int, part: str, w: int) -> str:
+        """``%ya<i>`` = ``part`` [M, w] + addend i (operand 4 + i), in f32 and rounded to A's type."""
+        el, k = self.el, 4 + i
+        kind, t = self.addends[i]
+        rows = f"tensor<?x{w}x{el}>"
+        if kind == "bias":
+            lines, view, vtype, amap = [], f"%in{k}", t.builtin, "affine_map<(i, n) -> (n)>"
+        elif len(t.dims) == 2:
+            lines, view, vtype, amap = [f"    %av{i} = tensor.cast %in{k} : {t.builtin} to {rows}"], f"%av{i}", rows, "affine_map<(i, n) -> (i, n)>"
+        else:
+            m = "?" if None in t.dims[:-1] else str(int(np.prod(t.dims[:-1])))
+            col = f"tensor<{m}x{w}x{el}>"
+            lines = [f"    %avc{i} = tensor.collapse_shape %in{k} [[{', '.join(map(str, range(len(t.dims) - 1)))}], [{len(t.dims) - 1}]] : "
+                     f"{t.builtin} into {col}", f"    %av{i} = tensor.cast %avc{i} : {col} to {rows}"]
+            view, vtype, amap = f"%av{i}", rows, "affine_map<(i, n) -> (i, n)>"
+        f16 = el == "f16"
+        math = ("%pf = arith.extf %p : f16 to f32\n      %qf = arith.extf %q : f16 to f32\n      %r = arith.addf %pf, %qf : f32\n"
+                "      %rt = arith.truncf %r : f32 to f16\n      linalg.yield %rt : f16") if f16 else "%r = arith.addf %p, %q : f32\n      linalg.yield %r : f32"
+        lines.append(f"""    %ya{i}_e = tensor.empty(%m) : {rows}
+    %ya{i} = linalg.generic {{indexing_maps = [affine_map<(i, n) -> (i, n)>, {amap}, affine_map<(i, n) -> (i, n)>], iterator_types = ["parallel", "parallel"]}}
+        ins({part}, {view} : {rows}, {vtype}) outs(%ya{i}_e : {rows}) {{
+    ^bb0(%p: {el}, %q: {el}, %o: {el}):
+      {math}
+    }} -> {rows}""")
+        return "\n".join(lines)
 
-def _cuda_executable(name: str, obj: str, kernel: str, outs: int) -> str:
-    """The ``hal.executable.source`` declaring the PTX kernel: 4 bindings read, then ``outs`` written; 7 i32 push
-    constants; workgroups of CUDA_THREADS threads on the grid the dispatch's workload gives."""
-    bindings = kernel_bindings(4, outs)
-    return (f"  hal.executable.source private @{name} <objects = <{{\n"
-            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
-            f"    hal.executable.export public @{kernel} ordinal(0)\n"
-            f"        layout(#hal.pipeline.layout<constants = 7, bindings = [{bindings}]>)\n"
+    def _swiglu(self, y: str) -> str:
+        """``%ysw`` [M, N/2] = (G * Sigmoid(G)) * U of ``y``'s halves, each step rounded to A's type."""
+        el, h = self.el, self.N // 2
+        f16 = el == "f16"
+        lines = ["%gf = arith.extf %g : f16 to f32", "%uf = arith.extf %u : f16 to f32"] if f16 else []
+        g, u = ("%gf", "%uf") if f16 else ("%g", "%u")
+
+        def rounded(v: str) -> str:  # v (f32) as an ONNX intermediate of A's type stores it
+            if not f16:
+                return v
+            lines.extend([f"{v}t = arith.truncf {v} : f32 to f16", f"{v}r = arith.extf {v}t : f16 to f32"])
+            return f"{v}r"
+
+        lines += ["%one = arith.constant 1.0 : f32", f"%ng = arith.negf {g} : f32", "%e = math.exp %ng : f32",
+                  "%den = arith.addf %one, %e : f32", "%sg = arith.divf %one, %den : f32"]
+        lines.append(f"%gs = arith.mulf {g}, {rounded('%sg')} : f32")
+        lines.append(f"%r = arith.mulf {rounded('%gs')}, {u} : f32")
+        lines += ["%rt = arith.truncf %r : f32 to f16", "linalg.yield %rt : f16"] if f16 else ["linalg.yield %r : f32"]
+        body = "\n      ".join(lines)
+        half = f"tensor<?x{h}x{el}>"
+        return f"""    %ysg = tensor.extract_slice {y}[0, 0] [%m, {h}] [1, 1] : tensor<?x{self.N}x{el}> to {half}
+    %ysu = tensor.extract_slice {y}[0, {h}] [%m, {h}] [1, 1] : tensor<?x{self.N}x{el}> to {half}
+    %ysw_e = tensor.empty(%m) : {half}
+    %ysw = linalg.generic {{indexing_maps = [affine_map<(i, n) -> (i, n)>, affine_map<(i, n) -> (i, n)>, affine_map<(i, n) -> (i, n)>],
+                           iterator_types = ["parallel", "parallel"]}}
+        ins(%ysg, %ysu : {half}, {half}) outs(%ysw_e : {half}) {{
+    ^bb0(%g: {el}, %u: {el}, %o: {el}):
+      {body}
+    }} -> tensor<?x{h}x{el}>"""
+
+
+#: the kernels of kernels/matmul4_cuda.cu: (name, outputs), in the order of their ordinals
+CUDA_KERNELS = [(f"matmul_int4_{el}_v{vec}{t1}{suffix}", outs) for el in ("f16", "f32") for vec in (32, 8)
+                for t1 in ("", "_t1") for suffix, outs in (("", 1), ("_o2", 2), ("_o3", 3), ("_swiglu", 1))]
+CUDA_EXECUTABLE = "matmul4_exec"
+
+
+def _cuda_executable(obj: str) -> str:
+    """The ``hal.executable.source`` declaring every kernel of the PTX (:data:`CUDA_KERNELS`), each with 4 + outs
+    bindings read (A, B, scales, zero points, an addend per output), then outs written; 8 i32 push constants;
+    workgroups of CUDA_THREADS threads on the grid the dispatch's workload gives.
+
+    One executable for all: iree-compile 3.13 merges executables that differ only in their export's name
+    (DeduplicateExecutables), so one per kernel would run the ``_swiglu`` kernel's dispatches on the plain one
+    (same bindings); and the 2 MB of PTX are embedded once."""
+    exports = []
+    for ordinal, (kernel, outs) in enumerate(CUDA_KERNELS):
+        exports.append(
+            f"    hal.executable.export public @{kernel} ordinal({ordinal})\n"
+            f"        layout(#hal.pipeline.layout<constants = 8, bindings = [{kernel_bindings(4 + outs, outs)}]>)\n"
             f"        count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{\n"
             f"      %c1 = arith.constant 1 : index\n      hal.return %gx, %gy, %c1 : index, index, index\n"
-            f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>\n  }}")
+            f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>")
+    return (f"  hal.executable.source private @{CUDA_EXECUTABLE} <objects = <{{\n"
+            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
+            + "\n".join(exports) + "\n  }")

@@ -1,20 +1,27 @@
 // MatMulInt4 CUDA kernel for IREE's cuda target (extern dispatch; PTX for sm_80, which sm_90 runs).
 //
 // IREE CUDA dispatch ABI (samples/custom_dispatch/cuda/kernels in IREE): the bindings' base pointers in binding
-// order, then each push constant as a 32-bit integer: m, k, n, bs, has_zp, n0, n1.
+// order, then each push constant as a 32-bit integer: m, k, n, bs, has_zp, n0, n1, add_mode.
 // Layouts: the contract of ai.rewrite::MatMulInt4 (rewrite/plugins/matmul4/op.py):
 //   x [M, K] float (f32 or f16), w [N, K/2] uint8: INT4 codes two per byte along K, even element in the low
 //   nibble (ORT MatMulNBits / QMoE packing), s [N, nb] x's type, z [N, nb] uint8 zero points (8 when has_zp is
 //   0), y [M, N] x's type: y[m, n] = sum_k x[m, k] * (code[n, k] - z[n, k / bs]) * s[n, k / bs], summed in f32.
 //   Y's columns go to OUTS outputs (the op's ``splits``): y0 [M, n0] takes columns 0 .. n0 - 1, y1 [M, n1] the
 //   next n1, y2 [M, N - n0 - n1] the rest (kernels *_o2 and *_o3; the one-output kernel ignores n0 and n1).
+//   Output i may add an addend a_i after rounding to x's type (the ONNX Add the ``output-add`` rule fused):
+//   bits 2i..2i+1 of add_mode say how: 0 none (a_i is a dummy), 1 a_i [width_i] (a bias, the same for each row),
+//   2 a_i [M, width_i] (a residual).
+//   The *_swiglu kernels (the ``swiglu`` rule): w holds the gate's N/2 rows then the up projection's, and
+//   y [M, N/2] = silu(gate) * up, each step rounded to x's type as the ONNX Sigmoid, Mul, Mul it replaces;
+//   no addends (add_mode 0).
 //
-// Grid (ceil(N / WARPS), ceil(M / TOKENS)), THREADS threads: warp w of workgroup (i, j) computes row
-// n = i * WARPS + w for tokens j * TOKENS .. + TOKENS - 1, so the weight row is read once per TOKENS tokens and a
-// decode step (M = 1) reads each weight byte once, dequantized inside the dot product (seed 000, "warp-per-row
-// matvec"). Each lane takes VEC consecutive codes of the row per step (VEC = 32: one 16-byte load, when K and
-// the block size are multiples of 32; else VEC = 8: one 4-byte load, K and the block size multiples of 8, which
-// the lowering checks), so a step's codes share one block's scale and zero point.
+// Grid (ceil(N / WARPS), ceil(M / TOKENS)) (N / 2 for *_swiglu), THREADS threads: warp w of workgroup (i, j)
+// computes output column n = i * WARPS + w for tokens j * TOKENS .. + TOKENS - 1 (with *_swiglu from weight rows n
+// and n + N / 2), so the weight row is read once per TOKENS tokens and a decode step (M = 1) reads each weight byte
+// once, dequantized inside the dot product (seed 000, "warp-per-row matvec"). Each lane takes VEC consecutive
+// codes of the row per step (VEC = 32: one 16-byte load, when K and the block size are multiples of 32; else
+// VEC = 8: one 4-byte load, K and the block size multiples of 8, which the lowering checks), so a step's codes
+// share one block's scale and zero point.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -36,70 +43,114 @@ __device__ __forceinline__ void load_codes(const uint8_t* p, uint32_t* words) {
   }
 }
 
-template <typename T, int VEC, int OUTS, int TOKENS>
-__device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint8_t* z, T* y0, T* y1, T* y2, int M,
-                            int K, int N, int bs, int has_zp, int n0, int n1) {
+// v rounded to T and back: what storing an ONNX intermediate of type T does to it
+__device__ __forceinline__ float rounded(float v, const float*) { return v; }
+__device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
+
+// ROWS = 1: output column n is weight row n. ROWS = 2 (*_swiglu): rows n (gate) and n + N / 2 (up).
+template <typename T, int VEC, int OUTS, int TOKENS, int ROWS>
+__device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint8_t* z, const T* a0, const T* a1,
+                            const T* a2, T* y0, T* y1, T* y2, int M, int K, int N, int bs, int has_zp, int n0, int n1,
+                            int add_mode) {
   const int lane = threadIdx.x & 31;
+  const int cols = N / ROWS;
   const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const int m0 = blockIdx.y * TOKENS;
-  if (n >= N) return;
+  if (n >= cols) return;
   const int tokens = min(TOKENS, M - m0);
   const int nb = (K + bs - 1) / bs;
-  const uint8_t* row = w + (size_t)n * (K / 2);
-  float acc[TOKENS];
+  float acc[ROWS][TOKENS];
 #pragma unroll
-  for (int t = 0; t < TOKENS; ++t) acc[t] = 0.f;
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) acc[r][t] = 0.f;
 #pragma unroll 2
   for (int k = lane * VEC; k < K; k += 32 * VEC) {
-    uint32_t words[VEC / 8];
-    load_codes<VEC>(row + k / 2, words);
-    const int b = n * nb + k / bs;
-    const float scale = to_f(s[b]);
-    const float shift = -(has_zp ? (float)z[b] : 8.f) * scale;  // (code - zp) * scale = code * scale + shift
+    uint32_t words[ROWS][VEC / 8];
+    float scale[ROWS], shift[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int row = n + r * cols;
+      load_codes<VEC>(w + (size_t)row * (K / 2) + k / 2, words[r]);
+      const int b = row * nb + k / bs;
+      scale[r] = to_f(s[b]);
+      shift[r] = -(has_zp ? (float)z[b] : 8.f) * scale[r];  // (code - zp) * scale = code * scale + shift
+    }
 #pragma unroll
     for (int g = 0; g < VEC / 8; ++g) {
-      float wf[8];
+      float wf[ROWS][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) wf[i] = fmaf((float)((words[g] >> (4 * i)) & 15u), scale, shift);
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wf[r][i] = fmaf((float)((words[r][g] >> (4 * i)) & 15u), scale[r], shift[r]);
 #pragma unroll
       for (int t = 0; t < TOKENS; ++t) {
         if (t < tokens) {
           float xv[8];
           load8(x + (size_t)(m0 + t) * K + k + 8 * g, xv);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[t] = fmaf(xv[i], wf[i], acc[t]);
+          for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[r][t] = fmaf(xv[i], wf[r][i], acc[r][t]);
         }
       }
     }
   }
-  T* y = y0;  // the output holding column n, its column there and its width
-  int col = n, width = OUTS == 1 ? N : n0;
+  T* y = y0;  // the output holding column n, its column there, its width and its addend
+  const T* a = a0;
+  int col = n, width = OUTS == 1 ? cols : n0, out = 0;
   if (OUTS > 1 && n >= n0) {
     const bool second = OUTS == 2 || n < n0 + n1;
     y = second ? y1 : y2;
+    a = second ? a1 : a2;
+    out = second ? 1 : 2;
     col = second ? n - n0 : n - n0 - n1;
     width = OUTS == 2 ? N - n0 : (second ? n1 : N - n0 - n1);
   }
+  const int mode = (add_mode >> (2 * out)) & 3;
 #pragma unroll
   for (int t = 0; t < TOKENS; ++t) {
-    float v = acc[t];
+    float v[ROWS];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0 && t < tokens) store(y + (size_t)(m0 + t) * width + col, v);
+    for (int r = 0; r < ROWS; ++r) {
+      v[r] = acc[r][t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
+    }
+    if (lane == 0 && t < tokens) {
+      const size_t at = (size_t)(m0 + t) * width + col;
+      if (ROWS == 2) {  // silu(gate) * up as Sigmoid, Mul, Mul: each result rounded to T
+        const float gate = rounded(v[0], x), up = rounded(v[ROWS - 1], x);
+        const float sig = rounded(1.f / (1.f + expf(-gate)), x);
+        store(y + at, rounded(gate * sig, x) * up);
+      } else if (mode == 0) {
+        store(y + at, v[0]);
+      } else {  // the product rounded to T, then the Add
+        store(y + at, rounded(v[0], x) + to_f(a[mode == 1 ? col : at]));
+      }
+    }
   }
 }
 
 #define PARAMS(T) const T *x, const uint8_t *w, const T *s, const uint8_t *z
-#define CONSTS int m, int k, int n, int bs, int has_zp, int n0, int n1
-#define KERNELS(name, T, VEC, TOK)                                                                            \
-  extern "C" __global__ void __launch_bounds__(THREADS) name(PARAMS(T), T* y0, CONSTS) {                     \
-    matmul_int4<T, VEC, 1, TOK>(x, w, s, z, y0, nullptr, nullptr, m, k, n, bs, has_zp, n0, n1);              \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(THREADS) name##_o2(PARAMS(T), T* y0, T* y1, CONSTS) {         \
-    matmul_int4<T, VEC, 2, TOK>(x, w, s, z, y0, y1, nullptr, m, k, n, bs, has_zp, n0, n1);                   \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(THREADS) name##_o3(PARAMS(T), T* y0, T* y1, T* y2, CONSTS) {  \
-    matmul_int4<T, VEC, 3, TOK>(x, w, s, z, y0, y1, y2, m, k, n, bs, has_zp, n0, n1);                        \
+#define CONSTS int m, int k, int n, int bs, int has_zp, int n0, int n1, int add_mode
+#define KERNELS(name, T, VEC, TOK)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(THREADS) name(PARAMS(T), const T* a0, T* y0, CONSTS) {             \
+    matmul_int4<T, VEC, 1, TOK, 1>(x, w, s, z, a0, nullptr, nullptr, y0, nullptr, nullptr, m, k, n, bs, has_zp,    \
+                                   n0, n1, add_mode);                                                             \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
+      name##_o2(PARAMS(T), const T* a0, const T* a1, T* y0, T* y1, CONSTS) {                                      \
+    matmul_int4<T, VEC, 2, TOK, 1>(x, w, s, z, a0, a1, nullptr, y0, y1, nullptr, m, k, n, bs, has_zp, n0, n1,      \
+                                   add_mode);                                                                     \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
+      name##_o3(PARAMS(T), const T* a0, const T* a1, const T* a2, T* y0, T* y1, T* y2, CONSTS) {                  \
+    matmul_int4<T, VEC, 3, TOK, 1>(x, w, s, z, a0, a1, a2, y0, y1, y2, m, k, n, bs, has_zp, n0, n1, add_mode);     \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS) name##_swiglu(PARAMS(T), const T* a0, T* y0, CONSTS) {    \
+    matmul_int4<T, VEC, 1, TOK, 2>(x, w, s, z, a0, nullptr, nullptr, y0, nullptr, nullptr, m, k, n, bs, has_zp,    \
+                                   n0, n1, 0);                                                                    \
   }
 
 KERNELS(matmul_int4_f16_v32, __half, 32, 8)
