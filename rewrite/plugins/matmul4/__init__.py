@@ -54,7 +54,8 @@ def dense_int4_matmul(op, a, codes, scales, zero_point=Var("zero_point", optiona
 def dense_int4_gemm(op, a, codes, scales, zero_point=Var("zero_point", optional=True), c=Var("c", optional=True)):
     """Gemm(A [M, K], DequantizeLinear(codes, scales, zero_point, block_size), C; alpha=1, beta=1, transA=0):
     codes [N, K] with transB=1 (blocks along axis 1: torch's Linear as transformers' exporter writes it) or [K, N]
-    with transB=0 (axis 0) -> MatMulInt4, C (a bias of N elements) its addend."""
+    with transB=0 (axis 0) -> MatMulInt4, C (a bias of N elements) its addend. Gemm may round once after adding C;
+    the op rounds the product to A's dtype, then adds (one rounding more: within f16's tolerance, exact in f32)."""
     w = op.DequantizeLinear(codes, scales, zero_point, block_size=AttrVar("block_size"), _name="dq")
     return op.Gemm(a, w, c, _name="mm")
 
@@ -69,7 +70,8 @@ def _check_int4(m, k_axis: int):
     if codes is None or scales is None or (m.get("zero_point") and zp is None):
         return m.fail("codes, scales and zero points must be initializers", dq)
     if cv.dtype not in _CODE_OFFSET or codes.ndim != 2:
-        return m.fail(f"codes '{m['codes']}' are {dtype_name(cv.dtype)} of rank {codes.ndim}; 4-bit [K, N] expected", dq)
+        return m.fail(f"codes '{m['codes']}' are {dtype_name(cv.dtype)} of rank {codes.ndim}; 4-bit "
+                      f"{'[K, N]' if k_axis == 0 else '[N, K]'} expected", dq)
     if dq.attr("axis", 1) % 2 != k_axis:
         return m.fail(f"DequantizeLinear axis {dq.attr('axis', 1)}; blocks along K (axis {k_axis} of the weight) expected", dq)
     k, n = codes.shape if k_axis == 0 else codes.shape[::-1]
@@ -127,7 +129,8 @@ def _(m, b):
 @dense_int4_gemm.check
 def _(m):
     mm = m.node("mm")
-    if mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0 or mm.attr("beta", 1.0) != 1.0:
+    beta = mm.attr("beta", 1.0) if m.get("c") else 1.0  # without C, beta scales nothing
+    if mm.attr("transA", 0) or mm.attr("alpha", 1.0) != 1.0 or beta != 1.0:
         return m.fail(f"Gemm transA={mm.attr('transA', 0)}, alpha={mm.attr('alpha', 1.0)}, beta={mm.attr('beta', 1.0)}; "
                       "0, 1 and 1 expected", mm)
     fail = _check_int4(m, 1 if mm.attr("transB", 0) else 0)

@@ -147,6 +147,24 @@ def gemm_int4(*, dtype: int = TensorProto.FLOAT, k: int = 64, n: int = 40, bs: i
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
 
 
+def biased_gemms(*, dtype: int = TensorProto.FLOAT, k: int = 64, widths=(40, 24), bs: int = 32, seed: int = 0) -> onnx.ModelProto:
+    """X [T, k] read by Gemm(X, DequantizeLinear(codes_i [n_i, k], axis=1), C_i, transB=1) -> Y_i, each with a bias
+    C_i [n_i] (torch's Linear with bias as transformers' exporter writes it): merged, each bias its output's addend."""
+    rng = np.random.default_rng(seed)
+    nb = -(-k // bs)
+    nodes, inits, outs = [], [], []
+    for i, n in enumerate(widths):
+        inits += [numpy_helper.from_array(rng.integers(0, 16, (n, k)).astype(ml_dtypes.uint4), f"codes{i}"),
+                  numpy_helper.from_array((rng.random((n, nb)) * 0.1 + 0.01).astype(_NP[dtype]), f"scales{i}"),
+                  numpy_helper.from_array(rng.integers(0, 16, (n, nb)).astype(ml_dtypes.uint4), f"zp{i}"),
+                  numpy_helper.from_array(rng.standard_normal(n).astype(_NP[dtype]), f"C{i}")]
+        nodes += [helper.make_node("DequantizeLinear", [f"codes{i}", f"scales{i}", f"zp{i}"], [f"W{i}"], axis=1, block_size=bs),
+                  helper.make_node("Gemm", ["X", f"W{i}", f"C{i}"], [f"Y{i}"], transB=1, name=f"gemm{i}")]
+        outs.append(helper.make_tensor_value_info(f"Y{i}", dtype, ["T", n]))
+    g = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("X", dtype, ["T", k])], outs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
 def matmul4_cases() -> list:
     return [
         positive("uint4-zero-points-partial-block", lambda: dense_int4(k=80, bs=32), matches=1),
@@ -173,6 +191,7 @@ def matmul4_cases() -> list:
         positive("gemm-no-trans-f16", lambda: gemm_int4(dtype=TensorProto.FLOAT16, k=128, bs=64, trans_b=0, bias=False),
                  {"dense-int4-gemm": 1}, rtol=1e-2),
         negative("gemm-alpha", lambda: gemm_int4(alpha=0.5)),
+        positive("gemms-with-biases-merged", biased_gemms, {"dense-int4-gemm": 2, "shared-input": 1}),
         negative("blocks-along-n", lambda: dense_int4(axis=1, k=64, n=64, bs=32)),
         negative("weight-read-elsewhere", lambda: dense_int4(tap=True)),
     ]

@@ -13,8 +13,9 @@ epilogues in its store, so the product and what follows are one launch:
       ->  Y = MatMulInt4(A, ...; activation="swiglu")   (gate rows first: swapped when U is the first split)
 
 * ``output-add``: an output whose one reader is ``Add(Y_i, C)`` with C of Y_i's dtype and either a constant of
-  Y_i's width (a bias: [w], or [1, .., 1, w]) or a value of exactly Y_i's shape that does not depend on the
-  MatMulInt4 (a residual): C becomes the op's addend i and the Add's output its output i.
+  Y_i's width (a bias: [w], or [1, .., 1, w]) or a value of exactly Y_i's shape, every dim known (an int or the
+  same symbol), that does not depend on the MatMulInt4 (a residual): C becomes the op's addend i and the Add's
+  output its output i.
 
 Both are exact: the op's contract (:mod:`rewrite.plugins.matmul4.op`) rounds each intermediate to A's dtype as
 the ONNX ops it replaces do. Intermediates that other ops also read, graph outputs and dtype or shape mismatches
@@ -128,7 +129,9 @@ def _addend(graph: Graph, node: Node, port: int, add: Node) -> tuple[str, np.nda
     const = graph.const(other)
     if const is not None and const.size == width and const.ndim <= len(yv.shape or []) and const.shape[-1:] == (width,):
         return other, (None if const.shape == (width,) else const.reshape(width))
-    if yv.shape is None or ov.shape != yv.shape or av.shape != yv.shape:
+    if yv.shape is None or any(d is None for d in yv.shape):  # an unknown dim could hide a broadcast
+        return "the output's shape is not known dim by dim"
+    if ov.shape != yv.shape or av.shape != yv.shape:
         return "the addend is neither a bias of the output's width nor of the output's shape"
     producer = graph.producer_node(other)
     if producer is not None and nx.has_path(graph.nx, node.id, producer.id):

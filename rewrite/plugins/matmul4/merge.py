@@ -13,7 +13,8 @@ to its own output (the op's ``splits``; a Split after it cost iree-compile 3.13 
 Exact: column n is computed from row n of the concatenated B, scales and zero points alone (the contract of
 :mod:`rewrite.plugins.matmul4.op`), so each Y_i is the same sum in the same order. Merged: nodes with the same A,
 K, block_size and output dtype whose B, scales and zero points are initializers, three at most per merged node
-(in graph order); a member without zero points gets its implied 8s when others have them.
+(in graph order); a member without zero points gets its implied 8s when others have them, and a member's addend
+(a Gemm's bias) becomes the addend of its output.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def merge_shared_input(graph: Graph, report: PluginReport, *, dry_run: bool = Fa
     rr = report.rule(RULE)
     groups: dict[tuple, list[tuple[Node, tuple]]] = defaultdict(list)  # key -> (node, its weights)
     for node in graph.nodes_by_op("MatMulInt4", DOMAIN):
-        if node.attr("splits"):  # merged already
+        if node.attr("splits") or node.attr("activation"):  # merged already, or a SwiGLU of a merged pair
             continue
         weights = _weights(graph, node)
         if weights is None:
@@ -78,6 +79,11 @@ def merge_shared_input(graph: Graph, report: PluginReport, *, dry_run: bool = Fa
         if with_zp:
             ins.append(b.const(np.concatenate([z if z is not None else np.full(s.shape, 8, np.uint8) for _, s, z in parts]),
                                "zero_points"))
+        addends = [n.inputs[4] if len(n.inputs) > 4 else "" for n in nodes]  # a member's bias (dense-int4-gemm's C)
+        if any(addends):
+            ins += [""] * (4 - len(ins)) + addends
+            while ins[-1] == "":
+                ins.pop()
         outs = b.op("MatMulInt4", ins, domain=DOMAIN, outputs=len(nodes), K=k, N=sum(widths), block_size=bs,
                     splits=widths, dtype=[dtype] * len(nodes))
         for node, out in zip(nodes, outs):

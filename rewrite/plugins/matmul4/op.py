@@ -58,6 +58,23 @@ CUDA_THREADS = 256  #: THREADS in kernels/matmul4_cuda.cu: 8 warps, one output c
 CUDA_TOKENS = 8  #: TOKENS in kernels/matmul4_cuda.cu: rows of A per workgroup
 
 
+def check_epilogue(attrs: dict, where: str, addends: int, outputs: int | None = None) -> None:
+    """The contract's rules for ``activation``, ``splits`` and the addend inputs (module docstring): ``attrs``
+    holds ``N`` and optionally ``splits`` and ``activation``; ``addends`` counts the inputs after zero points.
+
+    Raises:
+        ValueError: naming ``where``: an activation other than swiglu, swiglu with an odd N, splits or addends,
+            more addends than outputs, or ``outputs`` other than the attributes give."""
+    act, splits, n = attrs.get("activation") or "", attrs.get("splits"), int(attrs["N"])
+    if act not in ("", "swiglu"):
+        raise ValueError(f"{where}: activation '{act}'; only 'swiglu' is defined")
+    if act and (n % 2 or splits or addends):
+        raise ValueError(f"{where}: activation swiglu needs an even N (got {n}), no splits and no addends")
+    expected = 1 if act or not splits else len(splits)
+    if addends > expected or (outputs is not None and outputs != expected):
+        raise ValueError(f"{where}: {addends} addend input(s) and {outputs} output(s) for {expected} output(s)")
+
+
 def dequantize(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, block: int) -> np.ndarray:
     """float32 W [K, N] from packed codes [N, ceil(K/2)], scales [N, nb] and zero points [N, nb] (8 when None)."""
     c = unpack_int4(codes, k).astype(np.float32)
@@ -76,8 +93,15 @@ class MatMulInt4(AbstractOp):
         return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
     def reference(self, attrs: dict, a, codes, scales, zero_points=None, *addends) -> list[np.ndarray]:
-        """numpy float32 evaluation of the contract, each ONNX op's result rounded to A's dtype; returns [Y] (or
-        one array per split) in A's dtype."""
+        """numpy float32 evaluation of the contract, each ONNX op's result rounded to A's dtype.
+
+        ``a`` [..., K] f32/f16, ``codes`` uint8 [N, ceil(K/2)], ``scales`` [N, nb], ``zero_points`` uint8 [N, nb] or
+        None, ``addends`` one per output, each [width] or the output's shape, or None. Returns [Y] [..., N], one
+        array per split, or with ``activation="swiglu"`` [Y'] [..., N/2], in A's dtype.
+
+        Raises:
+            ValueError: an activation other than swiglu, or attributes and inputs outside the contract."""
+        check_epilogue(attrs, f"MatMulInt4 with attributes {attrs}", len(addends))
         dt, f32 = a.dtype, np.float32
         w = dequantize(codes, scales, zero_points, int(attrs["K"]), int(attrs["block_size"]))
         y = (a.astype(f32) @ w).astype(dt)
@@ -136,6 +160,11 @@ class MatMulInt4(AbstractOp):
                      dtype=dt, shape=[k, n])
         else:
             w = b.op("Transpose", [_dequantize_onnx(b, b_in, s_in, z_in, k, n, bs, dt)], perm=[1, 0], dtype=dt, shape=[k, n])
+        attrs = {k: node.attr(k) for k in ("N", "splits", "activation") if node.attr(k) is not None}
+        try:
+            check_epilogue(attrs, f"MatMulInt4 node {node.describe()}", len(node.inputs[4:]), len(node.outputs))
+        except ValueError as e:
+            raise BackendError(str(e)) from None
         splits = node.attr("splits")
         swiglu = node.attr("activation") == "swiglu"
         shapes = [graph.values[o].shape for o in node.outputs]
@@ -322,11 +351,12 @@ class _Types:
         a, b = op.operand_types[0], op.operand_types[1]
         self.a, self.outs = a, op.result_types
         self.K, self.N, self.bs = int(op.attrs["K"]), int(op.attrs["N"]), int(op.attrs["block_size"])
+        try:
+            addends = sum(t.element != "none" for t in op.operand_types[4:]) and len(op.operand_types[4:])
+            check_epilogue(op.attrs, f"MatMulInt4 {op.where}", addends, len(self.outs))
+        except ValueError as e:
+            raise BackendError(str(e)) from None
         self.swiglu = op.attrs.get("activation") == "swiglu"
-        if op.attrs.get("activation") not in (None, "", "swiglu"):
-            raise BackendError(f"MatMulInt4 {op.where}: activation '{op.attrs['activation']}'; only 'swiglu' is defined")
-        if self.swiglu and (self.N % 2 or op.attrs.get("splits") or len(self.outs) != 1):
-            raise BackendError(f"MatMulInt4 {op.where}: activation swiglu needs an even N (got {self.N}), no splits and one output")
         self.widths = [self.N // 2] if self.swiglu else [int(w) for w in op.attrs.get("splits") or [self.N]]
         if (not self.swiglu and sum(self.widths) != self.N) or len(self.widths) != len(self.outs) or len(self.widths) > 3:
             raise BackendError(f"MatMulInt4 {op.where}: splits {self.widths} for N={self.N} and {len(self.outs)} "
@@ -340,11 +370,7 @@ class _Types:
         self.has_zp = len(op.operand_types) > 3 and op.operand_types[3].element != "none"
         # per output: None, ("bias", type) for [width] or ("rows", type) for the output's own shape
         self.addends: list[tuple[str, VTensor] | None] = [None] * len(self.outs)
-        extra = op.operand_types[4:]
-        if len(extra) > len(self.outs) or (self.swiglu and any(t.element != "none" for t in extra)):
-            raise BackendError(f"MatMulInt4 {op.where}: {len(extra)} addend operand(s) for {len(self.outs)} output(s)"
-                               f"{' with activation swiglu (none allowed)' if self.swiglu else ''}")
-        for i, t in enumerate(extra):
+        for i, t in enumerate(op.operand_types[4:]):
             if t.element == "none":
                 continue
             out = self.outs[i]
