@@ -7,7 +7,8 @@ initializer like the scales or absent, the dequantized weight read by that MatMu
 ending in K. Rule ``dense-int4-gemm``: the same weight in ``Gemm(A, DequantizeLinear(...), C)`` (alpha 1, beta 1,
 no transA; with ``transB=1`` the codes are [N, K] blocked along axis 1: torch's Linear as transformers' exporter
 writes it), C a constant bias of N elements becoming the op's addend. INT4 codes become ``code + 8`` with the
-zero point 8 (the same values, ONNX DequantizeLinear-21); UINT4 codes without zero points get zero points 0. The contract and lowerings: :mod:`rewrite.plugins.matmul4.op`.
+zero point 8 (the same values, ONNX DequantizeLinear-21); UINT4 codes without zero points get zero points 0.
+The contract and lowerings: :mod:`rewrite.plugins.matmul4.op`.
 
 Why: on IREE's cuda target the op's kernel reads each weight byte once per decode step with the dequantization
 inside the dot product; iree-compile 3.13 materializes the dequantized weight of the DequantizeLinear form at
