@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
 from rewrite.core.matcher import Match, Matcher
-from rewrite.core.pattern import AttrVar, Const, Var
+from rewrite.core.pattern import AttrVar, Const, Or, Var
 from rewrite.core.rules import rule
 from rewrite.core.shape_eval import shape_elements
 from rewrite.plugins.base import KernelObject, Plugin
@@ -169,8 +169,11 @@ def _(m, b):
 @rule("fused-moe-by-value", benefit=1)
 def fused_moe_by_value(op, pairs):
     """Routed experts of any spelling (transformers' grouped_mm, ...) ending in the per-token sum over the k
-    experts, proved equal to FusedMoE on random inputs (rewrite.plugins.moe.semantic)."""
-    return op.ReduceSum(op.Reshape(pairs, Var("sum_shape")), Const("sum_axes", value=[1]), keepdims=0, _name="sum")
+    experts, proved equal to FusedMoE on random inputs (rewrite.plugins.moe.semantic). fp16 exports sum in
+    float32: a Cast between the Reshape and the sum."""
+    grouped = op.Reshape(pairs, Var("sum_shape"), _name="grouped")
+    grouped = Or([op.Cast(grouped, to=AttrVar("sum_to")), grouped])
+    return op.ReduceSum(grouped, Const("sum_axes", value=[1]), keepdims=0, _name="sum")
 
 
 def _left_to_structural_rules(m) -> bool:

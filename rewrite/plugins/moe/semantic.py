@@ -233,7 +233,9 @@ def find_routed(graph: Graph, nearest_first: list[Node], sum_node: Node, k: int)
         if n.op_type == "Gemm" and (n.attr("transA", 0) or n.attr("alpha", 1.0) != 1.0):
             continue
         experts = w.shape[0] if n.op_type == "Gemm" and n.attr("transB", 0) else w.shape[1]
-        return Routed(weights, ids, n.inputs[0], int(experts))
+        # an fp16/bf16 export scores in float32 (Cast(hidden) into the router) while the experts read the
+        # hidden state itself: the cut is the value before the casts, which the experts' reads reach
+        return Routed(weights, ids, _through_casts(graph, n.inputs[0]), int(experts))
     return f"no router MatMul/Gemm(hidden [T, {H}], W) above the expert ids '{ids}'"
 
 
