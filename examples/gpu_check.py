@@ -55,6 +55,10 @@ CONFIGS = (
     # residual add
     ("iree", "quant4,matmul4,cast,legalize,expand,kv,topk,moe", True),
     ("ort", "quant4,matmul4,cast,kv,topk,moe", True),
+    # the attention core as one op: the attention plugin's CUDA kernel (ONNX Runtime gets the decomposition back)
+    ("iree", "cast,legalize,expand,kv,attention,topk,moe", True),
+    ("iree", "quant4,matmul4,cast,legalize,expand,kv,attention,topk,moe", True),
+    ("ort", "cast,kv,attention,topk,moe", True),
 )
 #: plugin sets for the other families (``--families``): the coverage matrix's ``topk,moe`` with a static KV cache
 FAMILY_CONFIGS = (
@@ -79,7 +83,10 @@ def _export(family: str, dtype: str, out_dir: Path) -> tuple[Path, tuple]:
         return moe_families.export(moe_families.build(family, dtype=torch_dtype), "hf", out_dir), FAMILY_CONFIGS
 
 
-def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS, dtypes: tuple[str, ...] = DTYPES) -> None:
+def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS, dtypes: tuple[str, ...] = DTYPES,
+            only_with: str | None = None) -> None:
+    """Export, lower and record the reference tokens (module docstring). ``only_with``: only the plugin sets that
+    include this plugin, and no single-op rows (a bundle to check one plugin with)."""
     from rewrite.errors import RewriteError
     from rewrite.generate import Generator
     from rewrite.pipeline import apply
@@ -99,6 +106,8 @@ def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS,
                     apply(src, out / f"{arch}_{dtype}_quant4_src", plugins="quant4", backend="ort")
                     ref_q4 = Generator.reference(out / f"{arch}_{dtype}_quant4_src" / "model.onnx").generate(PROMPT, STEPS).tokens
                 for backend, plugins, expected in configs:
+                    if only_with and only_with not in plugins.split(","):
+                        continue
                     name = f"{arch}_{dtype}_{backend}_{plugins.replace(',', '-')}"
                     row = dict(model=arch, dtype=dtype, backend=backend, target="cuda", plugins=plugins, folder=name,
                                reference=ref_q4 if plugins.startswith("quant4") else ref, expected=expected, error=None)
@@ -115,7 +124,7 @@ def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS,
                         row["error"] = str(e)
                     rows.append(row)
                     print(f"prepared {name}: {row['error'] or 'ok'}", flush=True)
-        for mode in ROUTER_MODES:  # the router alone: the iree:cuda kernel against its reference
+        for mode in ROUTER_MODES if not only_with else ():  # the router alone: the iree:cuda kernel against its reference
             name = f"router_{mode}_iree"
             row = dict(model=f"router-{mode}", dtype="fp32", backend="iree", target="cuda", plugins="topk", folder=name,
                        reference=None, expected=True, error=None)
@@ -126,7 +135,7 @@ def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS,
             (out / f"{name}.onnx").unlink()
             rows.append(row)
             print(f"prepared {name}: {row['error'] or 'ok'}", flush=True)
-        for (name, sample), backend in itertools.product(MOE_SAMPLES.items(), ("ort", "iree")):
+        for (name, sample), backend in itertools.product(MOE_SAMPLES.items() if not only_with else (), ("ort", "iree")):
             folder = f"moe_{name}_{backend}"  # FusedMoE alone, lowered for CUDA, against its reference
             row = dict(model=f"moe-{name}", dtype=str(np.dtype(sample["dtype"])), backend=backend, target="cuda",
                        plugins="-", folder=folder, reference=None, expected=True, error=None)
@@ -367,11 +376,12 @@ def main() -> int:
     p.add_argument("--families", default=",".join(MODELS),
                    help="comma-separated: qwen2_moe, qwen3_moe and the families of examples/moe_families.py")
     p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--only-with", metavar="PLUGIN", help="only the plugin sets with this plugin; no single-op rows")
     r = sub.add_parser("run")
     r.add_argument("bundle", type=Path)
     args = ap.parse_args()
     if args.cmd == "prepare":
-        prepare(args.out, args.lowerings, tuple(args.families.split(",")), tuple(args.dtypes.split(",")))
+        prepare(args.out, args.lowerings, tuple(args.families.split(",")), tuple(args.dtypes.split(",")), args.only_with)
         return 0
     return run(args.bundle)
 

@@ -24,6 +24,9 @@ FUSED = [
     ("ernie4_5_moe", "dynamo", "batched_mm", "fp32"),  # softmax scores, selection bias, clamped renormalization
     ("qwen2_moe", "hf", "grouped_mm", "fp32"),       # transformers' default experts: sorted tokens, a MatMul per expert
     ("olmoe", "hf", "grouped_mm", "fp32"),
+    # fp16 exports that score the router in float32: the experts read the fp16 hidden state the router casts
+    ("deepseek_v3", "hf", "batched_mm", "fp16"),
+    ("granitemoe", "hf", "batched_mm", "fp16"),      # and sum the k expert outputs in float32
 ]
 
 

@@ -7,6 +7,7 @@ from rewrite.hookspecs import hookimpl
 
 @hookimpl
 def rewrite_plugins():
+    from rewrite.plugins.attention import Attention
     from rewrite.plugins.cast_roundtrip import CastRoundtrip
     from rewrite.plugins.densemm import DenseMM
     from rewrite.plugins.expand import ExpandShapes
@@ -18,4 +19,4 @@ def rewrite_plugins():
     from rewrite.plugins.quant4 import Quant4
     from rewrite.plugins.router import RouterTopK
 
-    return [CastRoundtrip(), Legalize(), ExpandShapes(), KVCache(), RouterTopK(), MoE(), Quant4(), MatMul4(), DenseMM(), F32Acc()]
+    return [CastRoundtrip(), Legalize(), ExpandShapes(), KVCache(), Attention(), RouterTopK(), MoE(), Quant4(), MatMul4(), DenseMM(), F32Acc()]

@@ -1,0 +1,123 @@
+"""The GroupedAttention CUDA kernel launched directly (CuPy), without IREE: the attention plugin's kernel at the
+attention shapes of the seeds' models, time per call against the copy bandwidth measured in the same run, and a
+check against the op's numpy reference. On the GPU machine (nvcc and CuPy, no IREE)::
+
+    python benchmarks/attention_cuda_kernels.py
+
+The kernel is launched as IREE launches it (``lower_iree_cuda``): the bindings' pointers, then the push constants
+as 32-bit integers, on the same grid. Cases: a static KV cache of S positions of which the first ``visible`` are
+written (the mask hides the rest, as ``kv --max-seq`` leaves it), T query rows at the last visible positions
+(causal). ``LAYERS`` K/V caches are used in turn, so a call reads its cache from HBM as a decode step does;
+``ITERS`` calls are captured in a CUDA graph and its replays timed with CUDA events (``timed`` of
+benchmarks/moe_cuda_kernels.py). Bytes per call: the visible K and V rows of every K/V head, Q, Y and the mask
+rows. Then the conformance kit's samples of the op (f32 and f16, every mask form) through the kernel. Exits 1 when
+an output is off its reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, timed  # noqa: E402
+
+#: name -> (query heads, K/V heads, head size): Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json
+MODELS = {"qwen1.5": (16, 16, 128), "qwen3": (32, 4, 128)}
+#: (T query rows, S cache positions, visible positions): decode at 160 of 256 (decode_full's cache), at 160 and
+#: 4,000 of 4,096; a 128-token prefill into the 256-slot cache
+CASES = ((1, 256, 160), (1, 4096, 160), (1, 4096, 4000), (128, 256, 128))
+LAYERS = 24
+
+
+def main() -> int:
+    import cupy as cp
+
+    from rewrite.plugins.attention.op import CUDA_THREADS, GroupedAttention
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=REPS)
+    args = ap.parse_args()
+    source = ROOT / "rewrite/plugins/attention/kernels/attention_cuda.cu"
+    mod = cp.RawModule(code=source.read_text(), backend="nvcc", options=("-O3",))
+    bw = copy_bandwidth(cp)
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; {ITERS} calls per CUDA graph, median of {args.reps} replays; f16")
+    print(f"{'model':<8} {'Hq':>3} {'Hkv':>3} {'T':>4} {'S':>5} {'vis':>5} {'us':>8} {'MB':>7} {'GB/s':>6} {'of copy':>8}  check")
+    rng = np.random.default_rng(0)
+    failed = 0
+    for name, (hq, hkv, d) in MODELS.items():
+        kernel = mod.get_function(f"grouped_attention_f16_d{d}")
+        for t, s, visible in CASES:
+            crng = cp.random.RandomState(t + s)
+            caches = [tuple(crng.standard_normal((1, hkv, s, d), dtype=cp.float32).astype(cp.float16) for _ in range(2))
+                      for _ in range(LAYERS)]
+            q = rng.standard_normal((1, hq, t, d)).astype(np.float16)
+            pos = np.arange(visible - t, visible)[:, None]
+            mask = np.where(np.arange(s)[None, :] <= pos, 0.0, -np.inf).astype(np.float16)[None, None]
+            dq, dmask, y = cp.asarray(q), cp.asarray(mask), cp.zeros((1, hq, t, d), cp.float16)
+            scale = d ** -0.5
+            grid = (hq, t, 1)
+            consts = [np.int32(c) for c in (t, s, hq, hkv, 0, 0, s, 1,  # T, S, Hq, Hkv, msb, msh, mst, has_mask
+                                            struct.unpack("<i", struct.pack("<f", scale))[0])]
+
+            def launch(layer: int) -> None:
+                k, v = caches[layer]
+                kernel(grid, (CUDA_THREADS,), (dq, k, v, dmask, y, *consts))
+
+            launch(0)
+            cp.cuda.Device().synchronize()
+            k0, v0 = (cp.asnumpy(x) for x in caches[0])
+            want = GroupedAttention().reference({"scale": scale}, q, k0, v0, mask)[0].astype(np.float64)
+            got = cp.asnumpy(y).astype(np.float64)
+            err = float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
+            ok = err <= 1e-2
+            failed += not ok
+            us = timed(cp, [lambda i=i: launch(i % LAYERS) for i in range(ITERS)], args.reps)
+            nbytes = 2 * hkv * visible * d * 2 + q.nbytes + y.nbytes + mask.nbytes
+            print(f"{name:<8} {hq:>3} {hkv:>3} {t:>4} {s:>5} {visible:>5} {us:>8.1f} {nbytes / 1e6:>7.2f} "
+                  f"{nbytes / us / 1e3:>6.0f} {nbytes / us / 1e3 / (bw / 1e9):>8.1%}  rel. error {err:.1e} "
+                  f"{'ok' if ok else 'WRONG'}", flush=True)
+    failed += check_samples(cp, mod)
+    return 1 if failed else 0
+
+
+def check_samples(cp, mod) -> int:
+    """The conformance kit's samples of GroupedAttention (grouped and plain heads, decode and prefill rows, masks
+    of [1, 1, T, S], [B, 1, T, S] and [1, Hq, T, S], none; f32 and f16) through the kernel, against the reference
+    (float32 1e-4, float16 1e-2 relative to the largest output). Returns the number that are off."""
+    from rewrite.plugins.attention.op import CUDA_THREADS, GroupedAttention
+
+    op = GroupedAttention()
+    failed = 0
+    for n, (attrs, ins) in enumerate(op.sample_inputs(np.random.default_rng(1))):
+        q, k, v, mask = (ins + [None])[:4]
+        b, hq, t, d = q.shape
+        el = "f16" if q.dtype == np.float16 else "f32"
+        y = cp.zeros(q.shape, q.dtype)
+        strides = [0, 0, 0]
+        if mask is not None:
+            full = (mask.shape[1] * mask.shape[2] * mask.shape[3], mask.shape[2] * mask.shape[3], mask.shape[3])
+            strides = [0 if mask.shape[i] == 1 else full[i] for i in range(3)]
+        consts = [np.int32(c) for c in (t, k.shape[2], hq, k.shape[1], *strides, int(mask is not None),
+                                        struct.unpack("<i", struct.pack("<f", attrs["scale"]))[0])]
+        dmask = cp.asarray(mask) if mask is not None else cp.zeros(1, q.dtype)
+        mod.get_function(f"grouped_attention_{el}_d{d}")((hq, t, b), (CUDA_THREADS,),
+                                                         (cp.asarray(q), cp.asarray(k), cp.asarray(v), dmask, y, *consts))
+        want = op.reference(attrs, q, k, v, mask)[0].astype(np.float64)
+        err = float(np.abs(cp.asnumpy(y).astype(np.float64) - want).max() / max(1e-6, np.abs(want).max()))
+        ok = err <= (1e-2 if el == "f16" else 1e-4)
+        failed += not ok
+        print(f"sample {n}: Q {list(q.shape)} K {list(k.shape)} mask {None if mask is None else list(mask.shape)} {el}: "
+              f"rel. error {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

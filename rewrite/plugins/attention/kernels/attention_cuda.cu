@@ -1,0 +1,149 @@
+// GroupedAttention CUDA kernel for IREE's cuda target (extern dispatch; PTX for sm_80, which sm_90 runs).
+//
+// IREE CUDA dispatch ABI (samples/custom_dispatch/cuda/kernels in IREE): the bindings' base pointers in binding
+// order (q, k, v, mask, y), then each push constant as a 32-bit integer: T, S, Hq, Hkv, msb, msh, mst, has_mask,
+// scale_bits.
+// Layouts: the contract of ai.rewrite::GroupedAttention (rewrite/plugins/attention/op.py), row-major:
+//   q [B, Hq, T, D], k and v [B, Hkv, S, D], y [B, Hq, T, D], one float type (f32 or f16); mask (when has_mask)
+//   the same type, element (b, h, t, s) at b * msb + h * msh + t * mst + s (a stride is 0 where the mask
+//   broadcasts); query head h reads K/V head h / (Hq / Hkv).
+//   y[b, h, t] = softmax_s(round(round(q . k_s) * scale) + mask[b, h, t, s]) . v, the scores rounded to the
+//   type as the ONNX MatMul and Mul they replace; the softmax and the product with V in float32 (online
+//   softmax, seed 000's flash decode), y rounded once.
+//
+// Grid (Hq, T, B), THREADS threads: workgroup (h, t, b) computes query row t of head h. Warp w takes positions
+// s = w + WARPS * i: lane i first reads the mask of the warp's i-th position (one load for 32 positions), a
+// ballot gives the visible ones (an unwritten slot of a static cache, a future position: -inf, skipped without
+// reading K or V), then the warp reads the K and V rows of UNROLL visible positions at a time (independent
+// loads in flight together: a decode step is latency-bound, not bandwidth-bound), each lane D / 32 consecutive
+// elements, and updates its running max, sum and accumulator. The warps' partial states are merged through
+// shared memory. Query heads of one group read the same K/V rows: after the first, from L2.
+#include <cuda_fp16.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#define THREADS 512  // CUDA_THREADS in op.py
+#define WARPS (THREADS / 32)
+#define UNROLL 4
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ float rounded(float v, const float*) { return v; }
+__device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
+
+// DL consecutive elements at p as floats (DL = D / 32: 1, 2, 4 or 8).
+template <int DL>
+__device__ __forceinline__ void load_row(const float* p, float* out) {
+#pragma unroll
+  for (int j = 0; j < DL; ++j) out[j] = p[j];
+}
+template <int DL>
+__device__ __forceinline__ void load_row(const __half* p, float* out) {
+  if (DL >= 2) {
+#pragma unroll
+    for (int j = 0; j < DL; j += 2) {
+      float2 f = __half22float2(reinterpret_cast<const __half2*>(p)[j / 2]);
+      out[j] = f.x, out[j + 1] = f.y;
+    }
+  } else {
+    out[0] = __half2float(p[0]);
+  }
+}
+
+template <typename T, int D>
+__device__ void grouped_attention(const T* q, const T* k, const T* v, const T* mask, T* y, int Tq, int S, int Hq,
+                                  int Hkv, int msb, int msh, int mst, int has_mask, float scale) {
+  constexpr int DL = D / 32;
+  __shared__ float sh_m[WARPS], sh_l[WARPS];
+  __shared__ float sh_acc[WARPS][D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = blockIdx.x, t = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (Hq / Hkv);
+  const float sc = rounded(scale, q);  // the Mul's constant in the model's type
+
+  float qr[DL], acc[DL], m = -CUDART_INF_F, l = 0.f;
+  load_row<DL>(q + ((size_t)(b * Hq + h) * Tq + t) * D + lane * DL, qr);
+#pragma unroll
+  for (int j = 0; j < DL; ++j) acc[j] = 0.f;
+  const T* kb = k + (size_t)(b * Hkv + kvh) * S * D + lane * DL;
+  const T* vb = v + (size_t)(b * Hkv + kvh) * S * D + lane * DL;
+  const T* mrow = has_mask ? mask + (size_t)b * msb + (size_t)h * msh + (size_t)t * mst : nullptr;
+
+  for (int base = warp; base < S; base += WARPS * 32) {  // 32 positions of this warp: base + WARPS * i
+    const int mine = base + WARPS * lane;
+    const float add = (has_mask && mine < S) ? to_f(mrow[mine]) : 0.f;
+    unsigned todo = __ballot_sync(0xffffffffu, mine < S && add != -CUDART_INF_F);
+    while (todo) {
+      int lanes[UNROLL];
+      int n = 0;
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        lanes[u] = todo ? __ffs(todo) - 1 : -1;
+        if (todo) todo &= todo - 1, ++n;
+      }
+      float kr[UNROLL][DL], vr[UNROLL][DL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (u < n) {
+          const size_t s = (size_t)(base + WARPS * lanes[u]) * D;
+          load_row<DL>(kb + s, kr[u]);
+          load_row<DL>(vb + s, vr[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (u >= n) break;
+        float dot = 0.f;
+#pragma unroll
+        for (int j = 0; j < DL; ++j) dot += qr[j] * kr[u][j];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        const float a = __shfl_sync(0xffffffffu, add, lanes[u]);
+        const float score = rounded(rounded(rounded(dot, q) * sc, q) + a, q);
+        if (score == -CUDART_INF_F) continue;  // a finite mask that underflows the rounded sum
+        const float mn = fmaxf(m, score);
+        const float corr = __expf(m - mn), p = __expf(score - mn);
+        l = l * corr + p;
+#pragma unroll
+        for (int j = 0; j < DL; ++j) acc[j] = acc[j] * corr + p * vr[u][j];
+        m = mn;
+      }
+    }
+  }
+  if (lane == 0) sh_m[warp] = m, sh_l[warp] = l;
+#pragma unroll
+  for (int j = 0; j < DL; ++j) sh_acc[warp][lane * DL + j] = acc[j];
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += THREADS) {
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sh_m[w]);
+    float den = 0.f, num = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      if (sh_m[w] == -CUDART_INF_F) continue;
+      const float f = __expf(sh_m[w] - mx);
+      den += sh_l[w] * f, num += sh_acc[w][d] * f;
+    }
+    store(y + ((size_t)(b * Hq + h) * Tq + t) * D + d, num / den);  // every position hidden: 0 / 0, NaN as Softmax
+  }
+}
+
+#define CONSTS int Tq, int S, int Hq, int Hkv, int msb, int msh, int mst, int has_mask, int scale_bits
+#define KERNEL(T, el, D)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                  \
+      grouped_attention_##el##_d##D(const T* q, const T* k, const T* v, const T* mask, T* y, CONSTS) {    \
+    grouped_attention<T, D>(q, k, v, mask, y, Tq, S, Hq, Hkv, msb, msh, mst, has_mask,                    \
+                            __int_as_float(scale_bits));                                                  \
+  }
+
+KERNEL(__half, f16, 32)
+KERNEL(__half, f16, 64)
+KERNEL(__half, f16, 128)
+KERNEL(__half, f16, 256)
+KERNEL(float, f32, 32)
+KERNEL(float, f32, 64)
+KERNEL(float, f32, 128)
+KERNEL(float, f32, 256)

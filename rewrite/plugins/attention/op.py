@@ -1,0 +1,418 @@
+"""``ai.rewrite::GroupedAttention``: scaled dot-product attention with grouped K/V heads, its reference and lowerings.
+
+Contract (inputs; float = f32 or f16, one type for all; B batch, T query rows, S key positions, D head size):
+
+0. ``Q`` float [B, Hq, T, D]
+1. ``K`` float [B, Hkv, S, D] with Hq a multiple of Hkv: query head h reads K/V head h // (Hq / Hkv) (the grouping
+   transformers' ``repeat_kv`` writes as Unsqueeze, Expand and Reshape; Hq = Hkv is plain multi-head attention)
+2. ``V`` float [B, Hkv, S, D]
+3. ``mask`` (optional) float [Bm, Hm, Tm, S], added to the scaled scores; Bm in (1, B), Hm in (1, Hq), Tm in (1, T)
+   broadcast (ONNX multidirectional broadcasting); -inf hides a position
+
+Attribute ``scale`` (float). Output ``Y`` [B, Hq, T, D]::
+
+    scores = Q K^T            (summed in float32, rounded to Q's dtype: the ONNX MatMul)
+    scores = scores * scale + mask            (each rounded to Q's dtype: the ONNX Mul and Add)
+    P = Softmax(scores, axis=-1)              (rounded to Q's dtype)
+    Y = P V                   (summed in float32, rounded to Q's dtype)
+
+the decomposition the ``attention`` rule replaces (seed 000 "2. Self-Attention"; transformers' eager and SDPA
+attention as its exporters write it). The CUDA kernel computes the softmax online in float32 (seed 000's
+split-KV flash decode, one pass over K and V) and rounds only Y: it agrees with this reference within the
+conformance kit's float16 tolerance, not bit for bit.
+
+Lowerings: ONNX Runtime (CPU and CUDA) gets the decomposition back (the K/V heads repeated by Unsqueeze, Expand and
+Reshape when Hq > Hkv); IREE llvm-cpu ``linalg.generic`` ops over the grouped view [B, Hkv, G, T, D] of Q (no
+repeated K/V); IREE cuda one dispatch of ``kernels/attention_cuda.cu``: a workgroup per (query head, query row,
+batch), its warps over the key positions, reading the K/V rows of its group's head (the group's other heads find
+them in L2) and skipping positions the mask hides
+(iree-compile 3.13 materializes the repeated K and V and runs 5 dispatches per layer: BENCHMARKS.md, "Full-size
+decode on the H200").
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from onnx import TensorProto
+
+from rewrite.core.abstract_ops import AbstractOp
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings
+from rewrite.core.ir import Graph, Node
+from rewrite.core.kernels import build_cuda_ptx, kernel_source
+from rewrite.core.lowering import Lowering
+from rewrite.core.rules import Builder
+from rewrite.errors import BackendError
+
+CUDA_THREADS = 512  #: THREADS in kernels/attention_cuda.cu: 16 warps
+CUDA_HEAD_SIZES = (32, 64, 128, 256)  #: D the kernels are built for (D / 32 elements a lane)
+CUDA_EXECUTABLE = "attention_exec"
+CUDA_KERNELS = [f"grouped_attention_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
+
+
+def check_shapes(q, k, v, mask, where: str) -> tuple[int, int, int, int, int, int]:
+    """(B, Hq, Hkv, T, S, D) from the operands' shapes (tuples, None for an unknown dim, ``mask`` None when absent).
+
+    Raises:
+        ValueError: naming ``where``: ranks other than 4, K and V of different shapes, Hq not a multiple of Hkv,
+            D or B differing, or a mask that does not broadcast as the contract says."""
+    if len(q) != 4 or len(k) != 4 or tuple(k) != tuple(v):
+        raise ValueError(f"{where}: Q {list(q)}, K {list(k)}, V {list(v)}; expected Q [B, Hq, T, D] and K, V [B, Hkv, S, D]")
+    b, hq, t, d = q
+    _, hkv, s, dk = k
+    if not isinstance(hq, int) or not isinstance(hkv, int) or hq % hkv or dk != d or k[0] not in (b, None) and b is not None:
+        raise ValueError(f"{where}: Q {list(q)} and K {list(k)}: Hq must be a static multiple of Hkv, D and B equal")
+    if mask is not None:
+        # a dim not known statically may be 1 or the full one (the lowerings look at run time); S is taken in full
+        fits = lambda dim, full: dim in (1, full) or not isinstance(dim, int) or not isinstance(full, int)  # noqa: E731
+        ok = len(mask) == 4 and fits(mask[0], b) and fits(mask[1], hq) and fits(mask[2], t) and mask[3] == s and mask[3] is not None
+        if not ok:
+            raise ValueError(f"{where}: mask {list(mask)} does not broadcast to [B, Hq, T, S] = {[b, hq, t, s]} (S in full)")
+    return b, hq, hkv, t, s, d
+
+
+class GroupedAttention(AbstractOp):
+    """The contract in the module docstring."""
+
+    op_type = "GroupedAttention"
+    ort_targets = ("cpu", "cuda")
+
+    def lowerings(self) -> list[Lowering]:
+        return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
+
+    def reference(self, attrs: dict, q, k, v, mask=None) -> list[np.ndarray]:
+        """numpy float32 evaluation of the contract, each ONNX op's result rounded to Q's dtype; returns [Y].
+
+        Raises:
+            ValueError: shapes outside the contract (:func:`check_shapes`)."""
+        check_shapes(q.shape, k.shape, v.shape, None if mask is None else mask.shape, "GroupedAttention")
+        dt, f32 = q.dtype, np.float32
+        g = q.shape[1] // k.shape[1]
+        kr, vr = (np.repeat(x, g, axis=1).astype(f32) for x in (k, v))
+        scores = (q.astype(f32) @ kr.transpose(0, 1, 3, 2)).astype(dt)
+        scores = (scores.astype(f32) * np.asarray(attrs["scale"], dt).astype(f32)).astype(dt)
+        if mask is not None:
+            scores = (scores.astype(f32) + mask.astype(f32)).astype(dt)
+        s = scores.astype(f32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            e = np.exp(s - s.max(axis=-1, keepdims=True))
+            p = (e / e.sum(axis=-1, keepdims=True)).astype(dt)
+        return [(p.astype(f32) @ vr).astype(dt)]
+
+    def sample_inputs(self, rng: np.random.Generator) -> list[tuple[dict, list[np.ndarray]]]:
+        """Conformance-kit samples: grouped (4 query heads a K/V head) and plain heads, one query row (decode) and
+        several (prefill), a static cache whose later positions the mask hides, masks of [1, 1, T, S],
+        [B, 1, T, S] and [1, Hq, T, S], no mask, f32 and f16."""
+        def case(b, hq, hkv, t, s, d, dt, mask="causal", visible=None):
+            q, k, v = (rng.standard_normal(shape).astype(dt) for shape in ((b, hq, t, d), (b, hkv, s, d), (b, hkv, s, d)))
+            ins = [q, k, v]
+            if mask:
+                end = s if visible is None else visible  # positions >= end: an unwritten static-cache slot
+                pos = np.arange(end - t, end)[:, None]
+                m = np.where((np.arange(s)[None, :] <= pos), 0.0, -np.inf).astype(dt)[None, None]
+                if mask == "heads":  # a mask per query head: each hides one more position than the last
+                    m = np.broadcast_to(m, (1, hq, t, s)).copy()
+                    for h in range(hq):
+                        m[0, h, :, :h] = -np.inf
+                ins.append(np.broadcast_to(m, (b, 1, t, s)).copy() if mask == "batch" else m)
+            return {"scale": float(d) ** -0.5}, ins
+        return [case(1, 8, 2, 1, 24, 32, np.float32, visible=17), case(1, 4, 4, 3, 16, 64, np.float16),
+                case(2, 6, 2, 5, 9, 32, np.float32, mask="batch"), case(1, 4, 1, 2, 40, 128, np.float16, visible=33),
+                case(1, 2, 2, 1, 8, 32, np.float32, mask=None), case(1, 6, 2, 2, 12, 32, np.float16, mask="heads")]
+
+    # ------------------------------------------------------------------ ORT
+    def lower_ort(self, graph: Graph, node: Node) -> None:
+        """The decomposition of the contract: ``MatMul(Q, Transpose(K')) -> Mul(scale) -> [Add(mask)] -> Softmax ->
+        MatMul(., V')`` with ``K' = Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` when G > 1."""
+        q, k, v = node.inputs[:3]
+        mask = node.inputs[3] if len(node.inputs) > 3 else ""
+        qv, kv = graph.values[q], graph.values[k]
+        dt = qv.dtype
+        try:
+            _, hq, hkv, _, _, d = check_shapes(qv.shape, kv.shape, graph.values[v].shape,
+                                               graph.values[mask].shape if mask else None, f"GroupedAttention node {node.describe()}")
+        except ValueError as e:
+            raise BackendError(str(e)) from None
+        b = Builder(graph, "lower/GroupedAttention", node.order, node.name)
+        i64 = lambda vals, name: b.const(np.asarray(vals, np.int64), name)  # noqa: E731
+        np_dt = np.float16 if dt == TensorProto.FLOAT16 else np.float32
+
+        def repeated(x: str) -> str:
+            if hq == hkv:
+                return x
+            shape = b.op("Shape", [x])  # [B, Hkv, S, D] -> [B, Hkv, G, S, D] -> [B, Hq, S, D]
+            five = b.op("Concat", [b.op("Slice", [shape, i64([0], "s0"), i64([2], "s2")]), i64([hq // hkv], "group"),
+                                   b.op("Slice", [shape, i64([2], "s2b"), i64([4], "s4")])], axis=0)
+            four = b.op("Concat", [b.op("Slice", [shape, i64([0], "s0b"), i64([1], "s1")]), i64([hq], "heads"),
+                                   b.op("Slice", [shape, i64([2], "s2c"), i64([4], "s4b")])], axis=0)
+            return b.op("Reshape", [b.op("Expand", [b.op("Unsqueeze", [x, i64([2], "axis2")]), five]), four], dtype=dt)
+
+        kt = b.op("Transpose", [repeated(k)], perm=[0, 1, 3, 2], dtype=dt)
+        scores = b.op("Mul", [b.op("MatMul", [q, kt], dtype=dt), b.const(np.array(node.attr("scale"), np_dt), "scale")], dtype=dt)
+        if mask:
+            scores = b.op("Add", [scores, mask], dtype=dt)
+        probs = b.op("Softmax", [scores], axis=-1, dtype=dt)
+        y = b.op("MatMul", [probs, repeated(v)], dtype=dt, shape=graph.values[node.outputs[0]].shape)
+        graph.replace_node(node, [y])
+        graph.remove_unused_initializers()
+
+    # ----------------------------------------------------------------- IREE
+    def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
+        """llvm-cpu: ``linalg.generic`` ops over Q viewed as [B, Hkv, G, T, D] (``tensor.expand_shape``; K and V
+        are read per K/V head, not repeated): the scores summed in f32 and rounded, scaled, masked, a max, an
+        exp-sum and a normalization over S, the product with V; Y collapsed back to [B, Hq, T, D].
+
+        Raises:
+            BackendError: a target other than llvm-cpu, or operands outside the contract (dynamic Hq, Hkv or D)."""
+        if ctx.target != "llvm-cpu":
+            raise BackendError(f"GroupedAttention linalg lowering asked for target '{ctx.target}'")
+        return IreeLowering(body=_Linalg(op).body())
+
+    def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
+        """One dispatch of ``kernels/attention_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``grouped_attention_<el>_d<D>``
+        on (Hq, T, B) workgroups of 512 threads (the kernel source's header). Bindings Q, K, V, mask (a dummy when
+        absent), Y; push constants T, S, Hq, Hkv, the mask's strides over B, heads and T (0 where it broadcasts),
+        has_mask, and the scale's float32 bits (i32).
+
+        Raises:
+            BackendError: a target other than cuda, D not in :data:`CUDA_HEAD_SIZES`, or operands outside the
+                contract."""
+        if ctx.target != "cuda":
+            raise BackendError(f"GroupedAttention CUDA lowering asked for target '{ctx.target}'")
+        t = _Operands(op)
+        if t.d not in CUDA_HEAD_SIZES:
+            raise BackendError(f"GroupedAttention {op.where}: head size D={t.d}; the CUDA kernel takes {CUDA_HEAD_SIZES}")
+        obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "attention_cuda.cu"), ctx.cuda_arch))
+        kernel = f"grouped_attention_{t.el}_d{t.d}"
+        dims = _dynamic_dims
+        # the grid: Hq, T (Q's dim 2), B (Q's dim 0); S is K's dim 2
+        body = "\n".join(["    %c0 = arith.constant 0 : index", f"    %gx = arith.constant {t.hq} : index",
+                          _size(op, 0, 2, "%gy"), _size(op, 0, 0, "%gz"), _size(op, 1, 2, "%s"),
+                          "    %t32 = arith.index_cast %gy : index to i32", "    %s32 = arith.index_cast %s : index to i32"]) + "\n"
+        scale_bits = struct.unpack("<i", struct.pack("<f", float(op.attrs["scale"])))[0]
+        for name, value in (("hq", t.hq), ("hkv", t.hkv), ("has", int(t.mask is not None)), ("scale", scale_bits)):
+            body += f"    %{name}32 = arith.constant {value} : i32\n"
+        body += t.mask_strides()
+        mask_arg = "%in3" if t.mask is not None else "%dummy"
+        mask_type = (t.mask.builtin + dims(3, t.mask)) if t.mask is not None else f"tensor<1x{t.el}>"
+        body += f"""    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
+    %y = flow.dispatch @{CUDA_EXECUTABLE}::@{kernel}[%gx, %gy, %gz](%in0, %in1, %in2, {mask_arg}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32) :
+        ({t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, i32, i32, i32, i32, i32, i32, i32, i32, i32)
+        -> {t.q.builtin}{dims(0, t.q)}
+    %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}
+"""
+        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: _cuda_executable(obj)})
+
+
+def _dynamic_dims(k: int, ty) -> str:
+    """The ``{%in<k>_d<axis>, ...}`` list of operand ``k``'s dynamic dims for ``flow.dispatch`` ("" when static)."""
+    dyn = [f"%in{k}_d{a}" for a, d in enumerate(ty.dims) if d is None]
+    return "{" + ", ".join(dyn) + "}" if dyn else ""
+
+
+def _size(op: TorchOperator, k: int, axis: int, name: str) -> str:
+    """MLIR defining ``name`` (index) as dim ``axis`` of operand ``k``: a constant, or its dynamic dim (``%c0``
+    must be defined)."""
+    d = op.operand_types[k].dims[axis]
+    return f"    {name} = arith.constant {d} : index" if d is not None else f"    {name} = arith.addi %in{k}_d{axis}, %c0 : index"
+
+
+class _Operands:
+    """An imported GroupedAttention's operand types and static sizes.
+
+    Raises:
+        BackendError: operands outside the contract, or a dynamic Hq, Hkv or D."""
+
+    def __init__(self, op: TorchOperator):
+        self.q, self.k, self.v = op.operand_types[:3]
+        self.mask = op.operand_types[3] if len(op.operand_types) > 3 and op.operand_types[3].element != "none" else None
+        try:
+            _, hq, hkv, _, _, d = check_shapes(self.q.dims, self.k.dims, self.v.dims, None if self.mask is None else self.mask.dims,
+                                               f"GroupedAttention {op.where}")
+        except ValueError as e:
+            raise BackendError(str(e)) from None
+        if d is None or any(t.element != self.q.element for t in (self.k, self.v, self.mask) if t is not None):
+            raise BackendError(f"GroupedAttention {op.where}: Q {self.q.text}, K {self.k.text}: a static head size and one "
+                               "element type expected")
+        self.hq, self.hkv, self.d, self.g = hq, hkv, d, hq // hkv
+        self.el = self.q.builtin_element
+
+    def mask_strides(self) -> str:
+        """MLIR defining the mask's element strides ``%msb``, ``%msh``, ``%mst`` (i32) over B, heads and T: 0 where
+        the mask's dim is 1 (broadcast), its row-major stride otherwise; a dynamic dim is compared with 1 at run
+        time (``%c0`` must be defined)."""
+        if self.mask is None:
+            return "    %msb = arith.constant 0 : i32\n    %msh = arith.constant 0 : i32\n    %mst = arith.constant 0 : i32\n"
+        lines = ["    %ms_one = arith.constant 1 : index"]
+        for axis, d in enumerate(self.mask.dims):
+            lines.append(f"    %ms_d{axis} = arith.constant {d} : index" if d is not None else f"    %ms_d{axis} = arith.addi %in3_d{axis}, %c0 : index")
+        stride = "%ms_d3"
+        for axis, name in ((2, "%mst"), (1, "%msh"), (0, "%msb")):
+            lines += [f"    %ms_b{axis} = arith.cmpi eq, %ms_d{axis}, %ms_one : index",
+                      f"    %ms_x{axis} = arith.select %ms_b{axis}, %c0, {stride} : index",
+                      f"    {name} = arith.index_cast %ms_x{axis} : index to i32",
+                      f"    %ms_p{axis} = arith.muli {stride}, %ms_d{axis} : index"]
+            stride = f"%ms_p{axis}"
+        return "\n".join(lines) + "\n"
+
+
+class _Linalg:
+    """The llvm-cpu lowering's MLIR (:meth:`GroupedAttention.lower_iree`)."""
+
+    def __init__(self, op: TorchOperator):
+        self.op = op
+        self.t = _Operands(op)
+
+    def body(self) -> str:
+        t, op = self.t, self.op
+        el, f16 = t.el, t.el == "f16"
+        hkv, g, d = t.hkv, t.g, t.d
+        q5 = f"tensor<?x{hkv}x{g}x?x{d}x{el}>"
+        s5 = f"tensor<?x{hkv}x{g}x?x?xf32>"
+        r4 = f"tensor<?x{hkv}x{g}x?xf32>"
+        kt = f"tensor<?x{hkv}x?x{d}x{el}>"
+        lines = ["    %c0 = arith.constant 0 : index", _size(op, 0, 0, "%b"), _size(op, 0, 2, "%t"), _size(op, 1, 2, "%s"),
+                 f"    %qc = tensor.cast %in0 : {t.q.builtin} to tensor<?x{t.hq}x?x{d}x{el}>",
+                 f"    %q5 = tensor.expand_shape %qc [[0], [1, 2], [3], [4]] output_shape [%b, {hkv}, {g}, %t, {d}] : "
+                 f"tensor<?x{t.hq}x?x{d}x{el}> into {q5}",
+                 f"    %kc = tensor.cast %in1 : {t.k.builtin} to {kt}", f"    %vc = tensor.cast %in2 : {t.v.builtin} to {kt}",
+                 "    %zero = arith.constant 0.0 : f32", "    %ninf = arith.constant 0xFF800000 : f32",
+                 f"    %scale = arith.constant {_f32_literal(float(op.attrs['scale']), el)} : f32"]
+        ext = lambda v: f"%{v}f = arith.extf %{v} : f16 to f32\n      " if f16 else ""  # noqa: E731
+        fv = lambda v: f"%{v}f" if f16 else f"%{v}"  # noqa: E731
+
+        def rnd(v: str, name: str = "") -> str:  # an ONNX intermediate of Q's type: f32 -> el -> f32, as %<name>r
+            name = name or v
+            return f"%{name}t = arith.truncf %{v} : f32 to f16\n      %{name}r = arith.extf %{name}t : f16 to f32\n      " if f16 else ""
+
+        rv = lambda v: f"%{v}r" if f16 else f"%{v}"  # noqa: E731
+        par5 = '"parallel", "parallel", "parallel", "parallel", "parallel"'
+        # scores[b, h, g, t, s] = sum_d Q[b, h, g, t, d] K[b, h, s, d], rounded, scaled, rounded
+        lines.append(f"""    %sc0 = tensor.empty(%b, %t, %s) : {s5}
+    %sc1 = linalg.fill ins(%zero : f32) outs(%sc0 : {s5}) -> {s5}
+    %sc = linalg.generic {{indexing_maps = [affine_map<(b, h, g, t, s, d) -> (b, h, g, t, d)>, affine_map<(b, h, g, t, s, d) -> (b, h, s, d)>,
+                                            affine_map<(b, h, g, t, s, d) -> (b, h, g, t, s)>],
+                          iterator_types = [{par5}, "reduction"]}}
+        ins(%q5, %kc : {q5}, {kt}) outs(%sc1 : {s5}) {{
+    ^bb0(%x: {el}, %y: {el}, %acc: f32):
+      {ext("x")}{ext("y")}%p = arith.mulf {fv("x")}, {fv("y")} : f32
+      %r = arith.addf %acc, %p : f32
+      linalg.yield %r : f32
+    }} -> {s5}""")
+        read = self._mask_read(lines) if t.mask is not None else ""
+        scaled = f"{rnd('m')}{read}{self._add_mask(rv('m'), rnd)}" if t.mask is not None else rnd("m").rstrip()
+        final = (rv("a") if t.mask is not None else rv("m"))
+        lines.append(f"""    %ss0 = tensor.empty(%b, %t, %s) : {s5}
+    %ss = linalg.generic {{indexing_maps = [affine_map<(b, h, g, t, s) -> (b, h, g, t, s)>, affine_map<(b, h, g, t, s) -> (b, h, g, t, s)>],
+                          iterator_types = [{par5}]}}
+        ins(%sc : {s5}) outs(%ss0 : {s5}) {{
+    ^bb0(%v: f32, %o: f32):
+      {rnd("v")}%m = arith.mulf {rv("v")}, %scale : f32
+      {scaled}
+      linalg.yield {final} : f32
+    }} -> {s5}""")
+        lines.append(self._softmax(s5, r4, rnd))
+        lines.append(f"""    %pv0 = tensor.empty(%b, %t) : tensor<?x{hkv}x{g}x?x{d}xf32>
+    %pv1 = linalg.fill ins(%zero : f32) outs(%pv0 : tensor<?x{hkv}x{g}x?x{d}xf32>) -> tensor<?x{hkv}x{g}x?x{d}xf32>
+    %pv = linalg.generic {{indexing_maps = [affine_map<(b, h, g, t, d, s) -> (b, h, g, t, s)>, affine_map<(b, h, g, t, d, s) -> (b, h, s, d)>,
+                                            affine_map<(b, h, g, t, d, s) -> (b, h, g, t, d)>],
+                          iterator_types = [{par5}, "reduction"]}}
+        ins(%pr, %vc : {s5}, {kt}) outs(%pv1 : tensor<?x{hkv}x{g}x?x{d}xf32>) {{
+    ^bb0(%x: f32, %y: {el}, %acc: f32):
+      {ext("y")}%p = arith.mulf %x, {fv("y")} : f32
+      %r = arith.addf %acc, %p : f32
+      linalg.yield %r : f32
+    }} -> tensor<?x{hkv}x{g}x?x{d}xf32>
+    %yo0 = tensor.empty(%b, %t) : {q5}
+    %yo = linalg.generic {{indexing_maps = [affine_map<(b, h, g, t, d) -> (b, h, g, t, d)>, affine_map<(b, h, g, t, d) -> (b, h, g, t, d)>],
+                          iterator_types = [{par5}]}}
+        ins(%pv : tensor<?x{hkv}x{g}x?x{d}xf32>) outs(%yo0 : {q5}) {{
+    ^bb0(%v: f32, %o: {el}):
+      {"%vt = arith.truncf %v : f32 to f16" if f16 else "%vt = arith.addf %v, %zero : f32"}
+      linalg.yield %vt : {el}
+    }} -> {q5}
+    %y4 = tensor.collapse_shape %yo [[0], [1, 2], [3], [4]] : {q5} into tensor<?x{t.hq}x?x{d}x{el}>
+    %out0 = tensor.cast %y4 : tensor<?x{t.hq}x?x{d}x{el}> to {op.result_types[0].builtin}""")
+        return "\n".join(lines) + "\n"
+
+    def _mask_read(self, lines: list[str]) -> str:
+        """Statements of the scores' generic body defining ``%mv`` (the mask's element, Q's type) for the loop
+        indices (b, h, g, t, s): read with ``tensor.extract`` at (b, h * G + g, t, s), 0 on each dim that is 1
+        (static, or found at run time: the ``%mk_one<axis>`` flags ``lines`` gets)."""
+        m = self.t.mask
+        lines.append(f"    %mk_g = arith.constant {self.t.g} : index")
+        lines.append("    %mk_c1 = arith.constant 1 : index")
+        for axis, d in enumerate(m.dims[:3]):
+            size = f"arith.constant {d} : index" if d is not None else f"arith.addi %in3_d{axis}, %c0 : index"
+            lines += [f"    %mk_d{axis} = {size}", f"    %mk_one{axis} = arith.cmpi eq, %mk_d{axis}, %mk_c1 : index"]
+        body = ["%ib = linalg.index 0 : index", "%ih = linalg.index 1 : index", "%ig = linalg.index 2 : index",
+                "%it = linalg.index 3 : index", "%is = linalg.index 4 : index", "%ihg = arith.muli %ih, %mk_g : index",
+                "%iq = arith.addi %ihg, %ig : index", "%jb = arith.select %mk_one0, %c0, %ib : index",
+                "%jh = arith.select %mk_one1, %c0, %iq : index", "%jt = arith.select %mk_one2, %c0, %it : index",
+                f"%mv = tensor.extract %in3[%jb, %jh, %jt, %is] : {m.builtin}"]
+        return "\n      ".join(body) + "\n      "
+
+    def _add_mask(self, scaled: str, rnd) -> str:
+        f16 = self.t.el == "f16"
+        ext = "%mvf = arith.extf %mv : f16 to f32\n      " if f16 else ""
+        return f"{ext}%a = arith.addf {scaled}, {'%mvf' if f16 else '%mv'} : f32\n      {rnd('a')}".rstrip()
+
+    def _softmax(self, s5: str, r4: str, rnd) -> str:
+        """``%pr`` = Softmax over S of ``%ss``, each probability rounded to Q's type."""
+        t = self.t
+        return f"""    %mx0 = tensor.empty(%b, %t) : {r4}
+    %mx1 = linalg.fill ins(%ninf : f32) outs(%mx0 : {r4}) -> {r4}
+    %mx = linalg.generic {{indexing_maps = [affine_map<(b, h, g, t, s) -> (b, h, g, t, s)>, affine_map<(b, h, g, t, s) -> (b, h, g, t)>],
+                          iterator_types = ["parallel", "parallel", "parallel", "parallel", "reduction"]}}
+        ins(%ss : {s5}) outs(%mx1 : {r4}) {{
+    ^bb0(%v: f32, %acc: f32):
+      %r = arith.maximumf %acc, %v : f32
+      linalg.yield %r : f32
+    }} -> {r4}
+    %sm0 = linalg.fill ins(%zero : f32) outs(%mx0 : {r4}) -> {r4}
+    %sm = linalg.generic {{indexing_maps = [affine_map<(b, h, g, t, s) -> (b, h, g, t, s)>, affine_map<(b, h, g, t, s) -> (b, h, g, t)>,
+                                            affine_map<(b, h, g, t, s) -> (b, h, g, t)>],
+                          iterator_types = ["parallel", "parallel", "parallel", "parallel", "reduction"]}}
+        ins(%ss, %mx : {s5}, {r4}) outs(%sm0 : {r4}) {{
+    ^bb0(%v: f32, %m: f32, %acc: f32):
+      %dv = arith.subf %v, %m : f32
+      %e = math.exp %dv : f32
+      %r = arith.addf %acc, %e : f32
+      linalg.yield %r : f32
+    }} -> {r4}
+    %pr0 = tensor.empty(%b, %t, %s) : {s5}
+    %pr = linalg.generic {{indexing_maps = [affine_map<(b, h, g, t, s) -> (b, h, g, t, s)>, affine_map<(b, h, g, t, s) -> (b, h, g, t)>,
+                                            affine_map<(b, h, g, t, s) -> (b, h, g, t)>, affine_map<(b, h, g, t, s) -> (b, h, g, t, s)>],
+                          iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel"]}}
+        ins(%ss, %mx, %sm : {s5}, {r4}, {r4}) outs(%pr0 : {s5}) {{
+    ^bb0(%v: f32, %m: f32, %z: f32, %o: f32):
+      %dv = arith.subf %v, %m : f32
+      %e = math.exp %dv : f32
+      %p = arith.divf %e, %z : f32
+      {rnd("p", "pq")}linalg.yield {"%pqr" if t.el == "f16" else "%p"} : f32
+    }} -> {s5}"""
+
+
+def _f32_literal(v: float, el: str) -> str:
+    """``v`` as Q's type would store it (the ONNX Mul's constant), as an exact MLIR f32 hex literal."""
+    if el == "f16":
+        v = float(np.float16(v))
+    return "0x%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _cuda_executable(obj: str) -> str:
+    """The ``hal.executable.source`` declaring every kernel of the PTX (:data:`CUDA_KERNELS`): 4 bindings read (Q,
+    K, V, mask), 1 written (Y); 9 i32 push constants; workgroups of CUDA_THREADS threads on the (x, y, z) grid the
+    dispatch's workload gives."""
+    exports = []
+    for ordinal, kernel in enumerate(CUDA_KERNELS):
+        exports.append(
+            f"    hal.executable.export public @{kernel} ordinal({ordinal})\n"
+            f"        layout(#hal.pipeline.layout<constants = 9, bindings = [{kernel_bindings(4, 1)}]>)\n"
+            f"        count(%device: !hal.device, %gx: index, %gy: index, %gz: index) -> (index, index, index) {{\n"
+            f"      hal.return %gx, %gy, %gz : index, index, index\n"
+            f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>")
+    return (f"  hal.executable.source private @{CUDA_EXECUTABLE} <objects = <{{\n"
+            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
+            + "\n".join(exports) + "\n  }")
