@@ -51,8 +51,12 @@ CUDA_EXECUTABLE = "attention_exec"
 CUDA_KERNELS = [f"grouped_attention_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
 
 
-def check_shapes(q, k, v, mask, where: str) -> tuple[int, int, int, int, int, int]:
+def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False) -> tuple[int, int, int, int, int, int]:
     """(B, Hq, Hkv, T, S, D) from the operands' shapes (tuples, None for an unknown dim, ``mask`` None when absent).
+
+    The mask's last dim must be S: statically the same size or the same symbolic dim. ``lowered``: the shapes are
+    an imported operator's types, which have lost the graph's dim names; a dynamic mask S with a dynamic K S is
+    then taken as S (the ``attention`` rule proved it on the graph, where the names are).
 
     Raises:
         ValueError: naming ``where``: ranks other than 4, K and V of different shapes, Hq not a multiple of Hkv,
@@ -66,7 +70,8 @@ def check_shapes(q, k, v, mask, where: str) -> tuple[int, int, int, int, int, in
     if mask is not None:
         # a dim not known statically may be 1 or the full one (the lowerings look at run time); S is taken in full
         fits = lambda dim, full: dim in (1, full) or not isinstance(dim, int) or not isinstance(full, int)  # noqa: E731
-        ok = len(mask) == 4 and fits(mask[0], b) and fits(mask[1], hq) and fits(mask[2], t) and mask[3] == s and mask[3] is not None
+        full_s = lambda dim: dim == s and (dim is not None or lowered)  # noqa: E731  (None == None proves nothing on the graph)
+        ok = len(mask) == 4 and fits(mask[0], b) and fits(mask[1], hq) and fits(mask[2], t) and full_s(mask[3])
         if not ok:
             raise ValueError(f"{where}: mask {list(mask)} does not broadcast to [B, Hq, T, S] = {[b, hq, t, s]} (S in full)")
     return b, hq, hkv, t, s, d
@@ -229,7 +234,7 @@ class _Operands:
         self.mask = op.operand_types[3] if len(op.operand_types) > 3 and op.operand_types[3].element != "none" else None
         try:
             _, hq, hkv, _, _, d = check_shapes(self.q.dims, self.k.dims, self.v.dims, None if self.mask is None else self.mask.dims,
-                                               f"GroupedAttention {op.where}")
+                                               f"GroupedAttention {op.where}", lowered=True)
         except ValueError as e:
             raise BackendError(str(e)) from None
         if d is None or any(t.element != self.q.element for t in (self.k, self.v, self.mask) if t is not None):
