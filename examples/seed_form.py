@@ -897,11 +897,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="full: writer threads (default: every core)")
     parser.add_argument("--layers", type=int, default=None,
                         help="full: this many decoder layers instead of the real count (the real layer shapes, less weight)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                        help="full: a SeedConfig field instead of the real one (repeatable; e.g. experts=8 keeps the real "
+                             "attention and KV cache shapes with little expert weight)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=5)
     args = parser.parse_args(argv)
     if args.size == "full":
         sizes = {**FULL[args.arch], **({"layers": args.layers} if args.layers else {})}
+        for item in args.set:
+            key, _, value = item.partition("=")
+            if key not in FULL[args.arch] or not value.lstrip("-").isdigit():
+                parser.error(f"--set {item}: FIELD=INT with FIELD one of {', '.join(FULL[args.arch])}")
+            sizes[key] = int(value)
         path = export_seeded(args.arch, args.out, dtype=args.dtype, seed=args.seed, threads=args.threads, **sizes)
         data = path.parent / "model.onnx.data"
         report = {"path": str(path), "data_bytes": data.stat().st_size,
