@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 
 
-def census(folder: Path) -> dict:
-    """Counts for the entry function of ``folder`` (see the module docstring): ``dispatches``, ``copies``,
+def census(folder: Path, flags: list[str] = ()) -> dict:
+    """Counts for the entry function of ``folder`` (see the module docstring), compiled with ``flags`` added (to try
+    an iree-compile option without rebuilding the folder): ``dispatches``, ``copies``,
     ``fills``, ``copy_bytes``, ``big_copies`` (copies of at least 1 MiB) and their ``big_copy_bytes``.
 
     Raises:
@@ -37,7 +38,7 @@ def census(folder: Path) -> dict:
     entry = json.loads(manifest.read_text())["entry_function"]
     out = folder / "census.stream.mlir"
     # the module and its output as the first command wrote them, relative to the folder; then only the phase
-    argv = [cmd[0], cmd[1], "-o", out.name, *[a for a in cmd[4:]], "--compile-to=stream"]
+    argv = [cmd[0], cmd[1], "-o", out.name, *cmd[4:], *flags, "--compile-to=stream"]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=folder)
     if proc.returncode != 0:
         raise SystemExit(f"error: {folder}: iree-compile --compile-to=stream failed: {proc.stderr.strip()[:400]}")
@@ -60,10 +61,11 @@ def census(folder: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+", type=Path)
+    ap.add_argument("--flag", action="append", default=[], help="an iree-compile flag to add (repeatable)")
     args = ap.parse_args()
     print(f"{'folder':<40} {'dispatches':>10} {'copies':>7} {'fills':>6} {'launches':>9} {'MB copied':>10} {'>=1 MiB':>8}")
     for folder in args.folders:
-        c = census(folder)
+        c = census(folder, args.flag)
         launches = c["dispatches"] + c["copies"] + c["fills"]
         print(f"{str(folder):<40} {c['dispatches']:>10} {c['copies']:>7} {c['fills']:>6} {launches:>9} "
               f"{c['copy_bytes'] / 1e6:>10.1f} {c['big_copies']:>8}", flush=True)
