@@ -9,6 +9,8 @@ For every (family, exporter, experts implementation, dtype) it exports the tiny 
 * greedy tokens for ``--steps`` steps on each backend against ONNX Runtime on the original;
 * for what did not fuse, the first refusal reason of the best attempt.
 
+``--extra-plugins attention`` adds plugins to both backends' lists (and a match-count column each).
+
     python examples/coverage_matrix.py --out out/coverage --markdown docs/coverage.md
     python examples/coverage_matrix.py --families qwen2_moe,mixtral --exporters dynamo --experts batched_mm
 
@@ -59,6 +61,8 @@ class Row:
     #: why ``moe`` did not fuse every layer, else why ``topk`` did not (empty when both did)
     reason: str = ""
     seconds: float = 0.0
+    #: matches of each ``--extra-plugins`` plugin (on the first backend whose apply succeeded)
+    extra: dict = field(default_factory=dict)
 
     @property
     def fused(self) -> bool:
@@ -107,10 +111,10 @@ def stage(what: str) -> None:
     print(f"stage: {what}", flush=True)
 
 
-def run_isolated(row: Row, out: Path, steps: int) -> Row:
+def run_isolated(row: Row, out: Path, steps: int, extra: tuple[str, ...] = ()) -> Row:
     """`run_row` in a child process: a runtime that crashes (IREE on some exports) ends that row, not the matrix."""
     cmd = [sys.executable, __file__, "--row", f"{row.family},{row.exporter},{row.experts},{row.dtype}",
-           "--out", str(out), "--steps", str(steps)]
+           "--out", str(out), "--steps", str(steps), "--extra-plugins", ",".join(extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.splitlines()
     done = [line for line in lines if line.startswith("{")]
@@ -125,7 +129,8 @@ def run_isolated(row: Row, out: Path, steps: int) -> Row:
     return row
 
 
-def run_row(row: Row, out: Path, steps: int) -> Row:
+def run_row(row: Row, out: Path, steps: int, extra: tuple[str, ...] = ()) -> Row:
+    """Export, match, verify and decode one row (module docstring); ``extra``: plugins added to both backends."""
     import torch
 
     t0 = time.time()
@@ -150,7 +155,7 @@ def run_row(row: Row, out: Path, steps: int) -> Row:
         row.reason = first_refusal(reports, "moe") or first_refusal(reports, "topk")
     elif row.topk < row.moe_layers:  # the experts fused, the router did not: say why
         row.reason = first_refusal(reports, "topk")
-    print("partial: " + json.dumps(asdict(row)), flush=True)  # what a crash later in the row keeps
+    print("partial: " + json.dumps({k: v for k, v in asdict(row).items() if k != "extra"}), flush=True)  # what a crash later in the row keeps
     stage("reference tokens on ONNX Runtime")
     try:
         reference = Generator.reference(path).generate(PROMPT, steps).tokens
@@ -165,7 +170,10 @@ def run_row(row: Row, out: Path, steps: int) -> Row:
         lowered = folder / backend
         stage(f"apply, verify and generate on {backend}")
         try:
-            apply(path, lowered, plugins=plugins, backend=backend)
+            manifest = apply(path, lowered, plugins=",".join([plugins, *extra]), backend=backend)
+            for plugin in extra:
+                row.extra.setdefault(plugin, sum(r["matches"] for rep in manifest.report if rep["plugin"] == plugin
+                                                 for r in rep["rules"]))
             row.verify[backend] = "pass" if all(c.ok for c in verify(path, lowered)) else "FAIL"
             if reference is None:
                 continue
@@ -177,20 +185,23 @@ def run_row(row: Row, out: Path, steps: int) -> Row:
     return row
 
 
-def markdown(rows: list[Row], command: str) -> str:
+def markdown(rows: list[Row], command: str, extra: tuple[str, ...] = ()) -> str:
+    plus = "".join(f",{p}" for p in extra)
     lines = [
         "# Coverage matrix", "",
         "Tiny random decoders of the MoE families transformers ships (`examples/moe_families.py`: 2 layers, hidden 64,",
-        "8 experts), exported one decode step at a time, rewritten with `--plugins topk,moe`, lowered for ONNX Runtime",
-        "(`ort`) and, with `--plugins legalize,topk,moe`, for IREE llvm-cpu (`iree`). `verify`: every output against",
+        f"8 experts), exported one decode step at a time, rewritten with `--plugins topk,moe{plus}`, lowered for ONNX Runtime",
+        f"(`ort`) and, with `--plugins legalize,topk,moe{plus}`, for IREE llvm-cpu (`iree`). `verify`: every output against",
         "ONNX Runtime on the original at the basic",
         f"level; tokens: {len(PROMPT)}-token prompt then greedy decoding, against ONNX Runtime on the original.", "",
         f"Produced by `{command}`.", "",
-        "| family | exporter | experts | dtype | topk | moe | verify ort | verify iree | tokens ort | tokens iree | notes: why not fused (moe, else topk), why decoding stops |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| family | exporter | experts | dtype | topk | moe | " + "".join(f"{p} | " for p in extra)
+        + "verify ort | verify iree | tokens ort | tokens iree | notes: why not fused (moe, else topk), why decoding stops |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra),
     ]
     for r in rows:
-        lines.append(f"| {r.family} | {r.exporter} | {r.experts} | {r.dtype} | {r.topk}/{r.moe_layers} | {r.moe}/{r.moe_layers} | "
+        counts = "".join(f"{r.extra.get(p, '-')} | " for p in extra)
+        lines.append(f"| {r.family} | {r.exporter} | {r.experts} | {r.dtype} | {r.topk}/{r.moe_layers} | {r.moe}/{r.moe_layers} | {counts}"
                      f"{r.verify.get('ort', '-')} | {r.verify.get('iree', '-')} | {r.tokens.get('ort', '-')} | "
                      f"{r.tokens.get('iree', '-')} | {r.reason.replace('|', '/')} |")
     exported = [r for r in rows if r.exported]
@@ -218,15 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("out/coverage"))
     ap.add_argument("--markdown", type=Path, help="also write the table here")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--extra-plugins", default="", help="comma-separated plugins added to both backends (e.g. attention)")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # family,exporter,experts,dtype: one row, in this process
     args = ap.parse_args(argv)
+    extra = tuple(p for p in args.extra_plugins.split(",") if p)
     if args.row:
         row = Row(*args.row.split(","))
         try:
-            run_row(row, args.out, args.steps)
+            run_row(row, args.out, args.steps, extra)
         except Exception as e:  # a failure of ours: the row says what, the matrix goes on
             row.reason = f"error: {type(e).__name__}: {one_line(e)}"
-        print(json.dumps(asdict(row)), flush=True)
+        print(json.dumps({k: v for k, v in asdict(row).items() if k != "extra" or v}), flush=True)
         return 0
     rows = []
     for family in args.families.split(","):
@@ -234,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
             for experts in args.experts.split(","):
                 for dtype in args.dtypes.split(","):
                     row = Row(family, exporter, experts, dtype)
-                    row = run_isolated(row, args.out, args.steps)
+                    row = run_isolated(row, args.out, args.steps, extra)
                     rows.append(row)
                     print(json.dumps(asdict(row)), flush=True)
     command = "python examples/coverage_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.markdown:
-        args.markdown.write_text(markdown(rows, command.strip()))
+        args.markdown.write_text(markdown(rows, command.strip(), extra))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     return 0 if all(r.exact for r in rows if r.fused) else 1

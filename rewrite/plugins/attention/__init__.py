@@ -1,8 +1,8 @@
 """``attention``: the attention core of each layer becomes one ``ai.rewrite::GroupedAttention``.
 
 Matches ``MatMul(Softmax(Add(Mul(MatMul(Q, Transpose(K', perm=[0, 1, 3, 2])), scale), mask), axis=-1), V')``
-(the Add when there is a mask, the ``Cast(float32) -> Cast(back)`` pair after the Softmax of fp16 exports
-optional), where ``K'`` and ``V'`` are the K/V heads repeated per query group, ``Reshape(Expand(Unsqueeze(K, 2),
+(the Add when there is a mask, the Mul when the scale is not 1, the ``Cast(float32) -> Cast(back)`` pair after the
+Softmax of fp16 exports optional), where ``K'`` and ``V'`` are the K/V heads repeated per query group, ``Reshape(Expand(Unsqueeze(K, 2),
 [B, Hkv, G, S, D]), [B, Hq, S, D])`` (transformers' ``repeat_kv``; seed 000 "2. Self-Attention"), or K and V
 themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``. The contract and the lowerings:
 :mod:`rewrite.plugins.attention.op`.
@@ -38,7 +38,7 @@ def _repeated(op, cache, tag: str):
 def grouped_attention(op, q, k, v, mask):
     """Scores, scale, mask, Softmax and the product with V -> GroupedAttention(Q, K, V, mask)."""
     scores = op.MatMul(q, op.Transpose(_repeated(op, k, "k"), perm=[0, 1, 3, 2]), _name="qk")
-    scaled = op.Mul(scores, Const("scale"), _name="scale_mul")
+    scaled = Or([op.Mul(scores, Const("scale"), _name="scale_mul"), scores])  # no Mul: a scale of 1 (GraniteMoE's multiplier)
     masked = Or([op.Add(scaled, mask, _name="mask_add"), scaled])
     probs = op.Softmax(masked, axis=AttrVar("axis", default=-1), _name="softmax")
     probs = Or([op.Cast(op.Cast(probs, to=TensorProto.FLOAT, _name="wide"), to=AttrVar("narrow"), _name="narrow"), probs])
@@ -77,8 +77,7 @@ def _(m):
         return m.fail(f"Q {q.shape}, K {k.shape}, V {v.shape}: rank 4 [B, H, ., D] expected", qk)
     if m.attr("axis") not in (-1, 3):
         return m.fail(f"Softmax over axis {m.attr('axis')}, not the key positions (-1)", m.node("softmax"))
-    scale = m.const("scale")
-    if scale is None or scale.size != 1:
+    if "scale_mul" in m and (m.const("scale") is None or m.const("scale").size != 1):
         return m.fail(f"scale '{m['scale']}' is not a scalar", m.node("scale_mul"))
     gk, gv = _group(m, "k", list(k.shape)), _group(m, "v", list(v.shape))
     if not isinstance(gk, int):
@@ -101,7 +100,8 @@ def _(m, b):
     m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.outputs[0]]
     ins = [m["q"], m["k"], m["v"]] + ([m["mask"]] if "mask" in m else [])
-    return b.op("GroupedAttention", ins, domain=DOMAIN, scale=float(np.asarray(m.const("scale")).reshape(-1)[0]),
+    scale = float(np.asarray(m.const("scale")).reshape(-1)[0]) if "scale_mul" in m else 1.0
+    return b.op("GroupedAttention", ins, domain=DOMAIN, scale=scale,
                 dtype=out.dtype, shape=out.shape)
 
 

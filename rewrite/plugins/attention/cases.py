@@ -1,6 +1,6 @@
 """Conformance cases of the ``attention`` plugin: the attention core as exporters write it (K/V heads repeated per
 query group by Unsqueeze, Expand and Reshape, or read as they are; a causal mask of [1, 1, T, S] or [B, 1, T, S], or
-none; f32, and f16 with the Cast pair after the Softmax), and forms it must leave alone (a Softmax over another
+none; a scale Mul or none; f32, and f16 with the Cast pair after the Softmax), and forms it must leave alone (a Softmax over another
 axis, a per-head scale)."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 
 def attention_core(*, dtype: int = TensorProto.FLOAT, b: int = 1, hq: int = 8, hkv: int = 2, t="T", s: int = 12,
                    d: int = 32, mask: str = "causal", cast_pair: bool = False, axis: int = -1,
-                   per_head_scale: bool = False) -> onnx.ModelProto:
+                   per_head_scale: bool = False, unscaled: bool = False) -> onnx.ModelProto:
     """Q [b, hq, t, d], K and V [b, hkv, s, d] (graph inputs) -> the decomposed attention core -> Y [b, hq, t, d].
 
     ``mask``: "causal" (an input [1, 1, t, s]), "batch" ([b, 1, t, s]), "rows" ([1, 1, M, s], M a symbol of its own)
     or "" (none); ``cast_pair``: Cast to
-    float32 and back after the Softmax; ``per_head_scale``: the scale is [1, hq, 1, 1]."""
+    float32 and back after the Softmax; ``per_head_scale``: the scale is [1, hq, 1, 1]; ``unscaled``: no Mul (a
+    scale of 1, which exporters drop: GraniteMoE's attention multiplier of 1)."""
     npd = _NP[dtype]
     nodes, inits = [], []
 
@@ -39,8 +40,9 @@ def attention_core(*, dtype: int = TensorProto.FLOAT, b: int = 1, hq: int = 8, h
 
     scale = np.full((1, hq, 1, 1), d ** -0.5, npd) if per_head_scale else np.array(d ** -0.5, npd)
     nodes += [helper.make_node("Transpose", [repeat("K")], ["Kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["Q", "Kt"], ["scores"]),
-              helper.make_node("Mul", ["scores", const("scale", scale)], ["scaled"])]
+              helper.make_node("MatMul", ["Q", "Kt"], ["scores" if not unscaled else "scaled"])]
+    if not unscaled:
+        nodes.append(helper.make_node("Mul", ["scores", const("scale", scale)], ["scaled"]))
     last = "scaled"
     inputs = [helper.make_tensor_value_info("Q", dtype, [b, hq, t, d]), helper.make_tensor_value_info("K", dtype, [b, hkv, s, d]),
               helper.make_tensor_value_info("V", dtype, [b, hkv, s, d])]
@@ -91,6 +93,7 @@ def attention_cases() -> list:
         positive("grouped-batch-mask", lambda: attention_core(b=2, hq=6, hkv=3, mask="batch"), matches=1, feeds=_feeds),
         positive("mask-rows-broadcast-at-run-time", lambda: attention_core(mask="rows"), matches=1, feeds=_one_mask_row),
         positive("no-mask-decode", lambda: attention_core(t=1, mask=""), matches=1, feeds=_feeds),
+        positive("unscaled", lambda: attention_core(unscaled=True), matches=1, feeds=_feeds),
         negative("softmax-over-queries", lambda: attention_core(axis=2)),
         negative("per-head-scale", lambda: attention_core(per_head_scale=True)),
     ]
