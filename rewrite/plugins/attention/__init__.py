@@ -2,9 +2,9 @@
 
 Matches ``MatMul(Softmax(Add(Mul(MatMul(Q, Transpose(K', perm=[0, 1, 3, 2])), scale), mask), axis=-1), V')``
 (the Add when there is a mask, the Mul when the scale is not 1, the ``Cast(float32) -> Cast(back)`` pair after the
-Softmax of fp16 exports optional), where ``K'`` and ``V'`` are the K/V heads repeated per query group, ``Reshape(Expand(Unsqueeze(K, 2),
-[B, Hkv, G, S, D]), [B, Hq, S, D])`` (transformers' ``repeat_kv``; seed 000 "2. Self-Attention"), or K and V
-themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``. The contract and the lowerings:
+Softmax of fp16 exports optional), where ``K'`` and ``V'`` are the K/V heads repeated per query group,
+``Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` (transformers' ``repeat_kv``; seed 000
+"2. Self-Attention"), or K and V themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``. The contract and the lowerings:
 :mod:`rewrite.plugins.attention.op`.
 
 Why: IREE's own lowering materializes the repeated K and V of every layer (Qwen3-30B-A3B: 0.58 ms of a 4.72 ms

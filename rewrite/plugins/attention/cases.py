@@ -1,7 +1,7 @@
 """Conformance cases of the ``attention`` plugin: the attention core as exporters write it (K/V heads repeated per
 query group by Unsqueeze, Expand and Reshape, or read as they are; a causal mask of [1, 1, T, S] or [B, 1, T, S], or
-none; a scale Mul or none; f32, and f16 with the Cast pair after the Softmax), and forms it must leave alone (a Softmax over another
-axis, a per-head scale)."""
+none; a scale Mul or none; f32, and f16 with the Cast pair after the Softmax), and forms it must leave alone (a
+Softmax over another axis, a per-head scale)."""
 
 from __future__ import annotations
 
