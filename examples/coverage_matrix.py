@@ -155,7 +155,7 @@ def run_row(row: Row, out: Path, steps: int, extra: tuple[str, ...] = ()) -> Row
         row.reason = first_refusal(reports, "moe") or first_refusal(reports, "topk")
     elif row.topk < row.moe_layers:  # the experts fused, the router did not: say why
         row.reason = first_refusal(reports, "topk")
-    print("partial: " + json.dumps({k: v for k, v in asdict(row).items() if k != "extra"}), flush=True)  # what a crash later in the row keeps
+    print("partial: " + json.dumps(asdict(row)), flush=True)  # what a crash later in the row keeps
     stage("reference tokens on ONNX Runtime")
     try:
         reference = Generator.reference(path).generate(PROMPT, steps).tokens
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             run_row(row, args.out, args.steps, extra)
         except Exception as e:  # a failure of ours: the row says what, the matrix goes on
             row.reason = f"error: {type(e).__name__}: {one_line(e)}"
-        print(json.dumps({k: v for k, v in asdict(row).items() if k != "extra" or v}), flush=True)
+        print(json.dumps(asdict(row)), flush=True)
         return 0
     rows = []
     for family in args.families.split(","):
