@@ -2,7 +2,9 @@
 
 Matches ``MatMul(Softmax(Add(Mul(MatMul(Q, Transpose(K', perm=[0, 1, 3, 2])), scale), mask), axis=-1), V')``
 (the Add when there is a mask, the Mul when the scale is not 1, the ``Cast(float32) -> Cast(back)`` pair after the
-Softmax of fp16 exports optional), where ``K'`` and ``V'`` are the K/V heads repeated per query group,
+Softmax of fp16 exports optional), or with the scores as torch's ``scaled_dot_product_attention`` decomposes them
+(transformers' default attention): ``MatMul(Mul(Q, sqrt(scale)), Mul(Reshape(Transpose(Reshape(K', [N, S, D]),
+[0, 2, 1]), [B, H, D, S]), sqrt(scale)))``, the scale then the product of the two constants, where ``K'`` and ``V'`` are the K/V heads repeated per query group,
 ``Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` (transformers' ``repeat_kv``; seed 000
 "2. Self-Attention"), or K and V themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``. The contract and the lowerings:
 :mod:`rewrite.plugins.attention.op`.
@@ -37,7 +39,13 @@ def _repeated(op, cache, tag: str):
 @rule("grouped-attention")
 def grouped_attention(op, q, k, v, mask):
     """Scores, scale, mask, Softmax and the product with V -> GroupedAttention(Q, K, V, mask)."""
-    scores = op.MatMul(q, op.Transpose(_repeated(op, k, "k"), perm=[0, 1, 3, 2]), _name="qk")
+    keys = _repeated(op, k, "k")
+    # torch's scaled_dot_product_attention as the exporters decompose it (transformers' default attention):
+    # Q and K^T each times sqrt(scale), K^T a Transpose of K' viewed as [B * H, S, D]
+    kt3 = op.Reshape(op.Transpose(op.Reshape(keys, Var("k3_shape"), _name="k3"), perm=[0, 2, 1], _name="k3t"),
+                     Var("kt_shape"), _name="kt")
+    sdpa = op.MatMul(op.Mul(q, Const("q_scale"), _name="q_mul"), op.Mul(kt3, Const("k_scale"), _name="k_mul"), _name="qk")
+    scores = Or([op.MatMul(q, op.Transpose(keys, perm=[0, 1, 3, 2]), _name="qk"), sdpa])
     scaled = Or([op.Mul(scores, Const("scale"), _name="scale_mul"), scores])  # no Mul: a scale of 1 (GraniteMoE's multiplier)
     masked = Or([op.Add(scaled, mask, _name="mask_add"), scaled])
     probs = op.Softmax(masked, axis=AttrVar("axis", default=-1), _name="softmax")
@@ -63,6 +71,18 @@ def _group(m, tag: str, cache: list) -> int | str:
     return g
 
 
+def _transposed_view(m, keys: list):
+    """None when ``Reshape(Transpose(Reshape(K', [N, S, D]), [0, 2, 1]), [B, H, D, S])`` is K' [B, H, S, D]
+    transposed over its last two axes (the inferred shapes say so: the leading dims are merged and split back
+    in row-major order), else the refusal."""
+    three = m.graph.values[m.node("k3").outputs[0]].shape
+    four = m.graph.values[m.node("kt").outputs[0]].shape
+    if three is None or four is None or len(three) != 3 or len(keys) != 4 or list(three[1:]) != keys[2:] \
+            or list(four) != [keys[0], keys[1], keys[3], keys[2]] or None in keys[1:]:
+        return m.fail(f"the keys {keys} go through {three} to {four}; [N, S, D] and [B, H, D, S] expected", m.node("kt"))
+    return None
+
+
 @grouped_attention.check
 def _(m):
     q, k, v = m.value("q"), m.value("k"), m.value("v")
@@ -77,8 +97,13 @@ def _(m):
         return m.fail(f"Q {q.shape}, K {k.shape}, V {v.shape}: rank 4 [B, H, ., D] expected", qk)
     if m.attr("axis") not in (-1, 3):
         return m.fail(f"Softmax over axis {m.attr('axis')}, not the key positions (-1)", m.node("softmax"))
-    if "scale_mul" in m and (m.const("scale") is None or m.const("scale").size != 1):
-        return m.fail(f"scale '{m['scale']}' is not a scalar", m.node("scale_mul"))
+    for name, node in (("scale", "scale_mul"), ("q_scale", "q_mul"), ("k_scale", "k_mul")):
+        if node in m and (m.const(name) is None or m.const(name).size != 1):
+            return m.fail(f"scale '{m[name]}' is not a scalar", m.node(node))
+    if "kt" in m:
+        bad = _transposed_view(m, list(k.shape) if "k_repeat" not in m else list(m.graph.values[m.node("k_repeat").outputs[0]].shape))
+        if bad is not None:
+            return bad
     gk, gv = _group(m, "k", list(k.shape)), _group(m, "v", list(v.shape))
     if not isinstance(gk, int):
         return gk
@@ -100,7 +125,10 @@ def _(m, b):
     m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.outputs[0]]
     ins = [m["q"], m["k"], m["v"]] + ([m["mask"]] if "mask" in m else [])
-    scale = float(np.asarray(m.const("scale")).reshape(-1)[0]) if "scale_mul" in m else 1.0
+    scale = 1.0
+    for name, node in (("scale", "scale_mul"), ("q_scale", "q_mul"), ("k_scale", "k_mul")):
+        if node in m:
+            scale *= float(np.asarray(m.const(name)).reshape(-1)[0])
     return b.op("GroupedAttention", ins, domain=DOMAIN, scale=scale,
                 dtype=out.dtype, shape=out.shape)
 

@@ -1,7 +1,7 @@
 """Conformance cases of the ``attention`` plugin: the attention core as exporters write it (K/V heads repeated per
 query group by Unsqueeze, Expand and Reshape, or read as they are; a causal mask of [1, 1, T, S] or [B, 1, T, S], or
-none; a scale Mul or none; f32, and f16 with the Cast pair after the Softmax), and forms it must leave alone (a
-Softmax over another axis, a per-head scale)."""
+none; a scale Mul or none, or torch's SDPA decomposition; f32, and f16 with the Cast pair after the Softmax), and
+forms it must leave alone (a Softmax over another axis, a per-head scale)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 
 def attention_core(*, dtype: int = TensorProto.FLOAT, b: int = 1, hq: int = 8, hkv: int = 2, t="T", s: int = 12,
                    d: int = 32, mask: str = "causal", cast_pair: bool = False, axis: int = -1,
-                   per_head_scale: bool = False, unscaled: bool = False) -> onnx.ModelProto:
+                   per_head_scale: bool = False, unscaled: bool = False, sdpa: bool = False) -> onnx.ModelProto:
     """Q [b, hq, t, d], K and V [b, hkv, s, d] (graph inputs) -> the decomposed attention core -> Y [b, hq, t, d].
 
     ``mask``: "causal" (an input [1, 1, t, s]), "batch" ([b, 1, t, s]), "rows" ([1, 1, M, s], M a symbol of its own)
     or "" (none); ``cast_pair``: Cast to
     float32 and back after the Softmax; ``per_head_scale``: the scale is [1, hq, 1, 1]; ``unscaled``: no Mul (a
-    scale of 1, which exporters drop: GraniteMoE's attention multiplier of 1)."""
+    scale of 1, which exporters drop: GraniteMoE's attention multiplier of 1); ``sdpa``: the scores as torch's
+    scaled_dot_product_attention decomposes them, Q and K^T (K' viewed as [N, S, D], transposed, viewed back) each
+    times sqrt(scale) (a per-head [1, hq, 1, 1] one on Q with ``per_head_scale``)."""
     npd = _NP[dtype]
     nodes, inits = [], []
 
@@ -39,8 +41,18 @@ def attention_core(*, dtype: int = TensorProto.FLOAT, b: int = 1, hq: int = 8, h
         return f"{x}_rep"
 
     scale = np.full((1, hq, 1, 1), d ** -0.5, npd) if per_head_scale else np.array(d ** -0.5, npd)
-    nodes += [helper.make_node("Transpose", [repeat("K")], ["Kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["Q", "Kt"], ["scores" if not unscaled else "scaled"])]
+    if sdpa:
+        root = np.sqrt(scale).astype(npd)
+        nodes += [helper.make_node("Reshape", [repeat("K"), const("k3", np.array([-1, s, d], np.int64))], ["K3"]),
+                  helper.make_node("Transpose", ["K3"], ["K3t"], perm=[0, 2, 1]),
+                  helper.make_node("Reshape", ["K3t", const("kt4", np.array([b, hq, d, s], np.int64))], ["Kt"]),
+                  helper.make_node("Mul", ["Q", const("q_root", root)], ["Qs"]),
+                  helper.make_node("Mul", ["Kt", const("k_root", np.sqrt(np.array(d ** -0.5, npd)).astype(npd))], ["Kts"]),
+                  helper.make_node("MatMul", ["Qs", "Kts"], ["scaled"])]
+        unscaled = True  # the scale is in the two Muls
+    else:
+        nodes += [helper.make_node("Transpose", [repeat("K")], ["Kt"], perm=[0, 1, 3, 2]),
+                  helper.make_node("MatMul", ["Q", "Kt"], ["scores" if not unscaled else "scaled"])]
     if not unscaled:
         nodes.append(helper.make_node("Mul", ["scores", const("scale", scale)], ["scaled"]))
     last = "scaled"
@@ -94,6 +106,10 @@ def attention_cases() -> list:
         positive("mask-rows-broadcast-at-run-time", lambda: attention_core(mask="rows"), matches=1, feeds=_one_mask_row),
         positive("no-mask-decode", lambda: attention_core(t=1, mask=""), matches=1, feeds=_feeds),
         positive("unscaled", lambda: attention_core(unscaled=True), matches=1, feeds=_feeds),
+        positive("sdpa-decomposition", lambda: attention_core(sdpa=True), matches=1, feeds=_feeds),
+        positive("sdpa-f16-heads", lambda: attention_core(dtype=TensorProto.FLOAT16, hq=4, hkv=4, d=64, sdpa=True),
+                 matches=1, rtol=1e-2, feeds=_feeds),
         negative("softmax-over-queries", lambda: attention_core(axis=2)),
         negative("per-head-scale", lambda: attention_core(per_head_scale=True)),
+        negative("sdpa-per-head-scale", lambda: attention_core(sdpa=True, per_head_scale=True)),
     ]
