@@ -220,7 +220,7 @@ def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_pat
         options["module_from"] = module_from
     if dry_run:
         report = [r.to_json() for r in preview(model, plugin_names, dims=_parse_dims(dims), backend=backend, options=options,
-                                               freeze_inputs=freeze_inputs)]
+                                               freeze_inputs=freeze_inputs, target=target)]
     elif out_dir is None:
         raise click.UsageError("missing option '-o' / '--out' (or use --dry-run)")
     else:

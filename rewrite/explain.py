@@ -173,15 +173,18 @@ def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[st
 
 
 def preview(model: str | os.PathLike, plugins: list[str] | str, *, dims: dict[str, int] | None = None, backend: str = "ort",
-            options: dict | None = None, freeze_inputs: bool = False) -> list[PluginReport]:
+            options: dict | None = None, freeze_inputs: bool = False, target: str | None = None) -> list[PluginReport]:
     """``rewrite apply --dry-run``: run the plugins in memory, with the context ``apply`` would give them
-    (``backend``, plugin ``options``, ``freeze_inputs``), and return their reports; nothing is lowered or
-    written. Raises RewriteError like ``rewrite apply``."""
+    (``backend``, ``target`` (default the backend's first), plugin ``options``, ``freeze_inputs``), and return
+    their reports; nothing is lowered or written. Raises RewriteError like ``rewrite apply``."""
     selected = select_plugins(plugins)
     graph = _load(model, selected, dims, freeze_inputs)
     from rewrite.backends import get_backend
 
-    ctx = RewriteContext(backend=backend, target=get_backend(backend).targets[0], dims=dict(dims or {}), options=dict(options or {}))
+    targets = get_backend(backend).targets
+    if target is not None and target not in targets:
+        raise RewriteError(f"backend '{backend}' has no target '{target}'; targets: {', '.join(targets)}")
+    ctx = RewriteContext(backend=backend, target=target or targets[0], dims=dict(dims or {}), options=dict(options or {}))
     reports = []
     for p in selected:
         reports.append(run_plugin(graph, p, ctx))

@@ -4,7 +4,9 @@ Matches ``MatMul(Softmax(Add(Mul(MatMul(Q, Transpose(K', perm=[0, 1, 3, 2])), sc
 (the Add when there is a mask, the Mul when the scale is not 1, the ``Cast(float32) -> Cast(back)`` pair after the
 Softmax of fp16 exports optional), or with the scores as torch's ``scaled_dot_product_attention`` decomposes them
 (transformers' default attention): ``MatMul(Mul(Q, sqrt(scale)), Mul(Reshape(Transpose(Reshape(K', [N, S, D]),
-[0, 2, 1]), [B, H, D, S]), sqrt(scale)))``, the scale then the product of the two constants, where ``K'`` and ``V'`` are the K/V heads repeated per query group,
+[0, 2, 1]), [B, H, D, S]), sqrt(scale)))``, the scale then the product of the two constants (and with
+``torch.onnx.export(dynamo=True)``, ``Where(IsNaN(P), 0, P)`` after the Softmax: attribute ``nan_rows_zero``; not
+on IREE cuda, whose kernel lacks it), where ``K'`` and ``V'`` are the K/V heads repeated per query group,
 ``Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` (transformers' ``repeat_kv``; seed 000
 "2. Self-Attention"), or K and V themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``. The contract and the lowerings:
 :mod:`rewrite.plugins.attention.op`.
@@ -17,6 +19,8 @@ kernel reads each K/V head once for its query group. Runs after ``kv`` (whose st
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import numpy as np
 from onnx import TensorProto
 
@@ -28,6 +32,8 @@ from rewrite.plugins.attention.op import GroupedAttention, check_shapes
 from rewrite.plugins.base import KernelObject, Plugin
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
+#: (backend, target) the running plugin lowers for: what the rule's check may refuse for a target
+_TARGET: ContextVar[tuple[str, str]] = ContextVar("attention_target", default=("ort", "cpu"))
 
 
 def _repeated(op, cache, tag: str):
@@ -50,6 +56,8 @@ def grouped_attention(op, q, k, v, mask):
     masked = Or([op.Add(scaled, mask, _name="mask_add"), scaled])
     probs = op.Softmax(masked, axis=AttrVar("axis", default=-1), _name="softmax")
     probs = Or([op.Cast(op.Cast(probs, to=TensorProto.FLOAT, _name="wide"), to=AttrVar("narrow"), _name="narrow"), probs])
+    # dynamo=True's decomposition of scaled_dot_product_attention zeroes NaN probabilities
+    probs = Or([op.Where(op.IsNaN(probs, _name="isnan"), Const("nan_zero"), probs, _name="nan_guard"), probs])
     return op.MatMul(probs, _repeated(op, v, "v"), _name="pv")
 
 
@@ -100,6 +108,12 @@ def _(m):
     for name, node in (("scale", "scale_mul"), ("q_scale", "q_mul"), ("k_scale", "k_mul")):
         if node in m and (m.const(name) is None or m.const(name).size != 1):
             return m.fail(f"scale '{m[name]}' is not a scalar", m.node(node))
+    if "nan_guard" in m:
+        zero = m.const("nan_zero")
+        if zero is None or zero.size != 1 or float(np.asarray(zero).reshape(-1)[0]) != 0.0:
+            return m.fail(f"the Where after IsNaN sets '{m['nan_zero']}', not 0", m.node("nan_guard"))
+        if _TARGET.get() == ("iree", "cuda"):
+            return m.fail("the NaN guard after the Softmax: the CUDA kernel does not zero NaN rows", m.node("nan_guard"))
     if "kt" in m:
         bad = _transposed_view(m, list(k.shape) if "k_repeat" not in m else list(m.graph.values[m.node("k_repeat").outputs[0]].shape))
         if bad is not None:
@@ -129,8 +143,8 @@ def _(m, b):
     for name, node in (("scale", "scale_mul"), ("q_scale", "q_mul"), ("k_scale", "k_mul")):
         if node in m:
             scale *= float(np.asarray(m.const(name)).reshape(-1)[0])
-    return b.op("GroupedAttention", ins, domain=DOMAIN, scale=scale,
-                dtype=out.dtype, shape=out.shape)
+    guard = {"nan_rows_zero": 1} if "nan_guard" in m else {}
+    return b.op("GroupedAttention", ins, domain=DOMAIN, scale=scale, **guard, dtype=out.dtype, shape=out.shape)
 
 
 class Attention(Plugin):
@@ -147,6 +161,14 @@ class Attention(Plugin):
     @property
     def rules(self):
         return [grouped_attention]
+
+    def run(self, graph, report, ctx=None, *, dry_run=False):
+        """Apply the rule with the backend and target in view (a form a target's kernel lacks is refused)."""
+        token = _TARGET.set((getattr(ctx, "backend", "ort"), getattr(ctx, "target", "cpu")))
+        try:
+            super().run(graph, report, ctx, dry_run=dry_run)
+        finally:
+            _TARGET.reset(token)
 
     @property
     def abstract_ops(self):

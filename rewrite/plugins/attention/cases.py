@@ -16,7 +16,8 @@ _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 
 def attention_core(*, dtype: int = TensorProto.FLOAT, b: int = 1, hq: int = 8, hkv: int = 2, t="T", s: int = 12,
                    d: int = 32, mask: str = "causal", cast_pair: bool = False, axis: int = -1,
-                   per_head_scale: bool = False, unscaled: bool = False, sdpa: bool = False) -> onnx.ModelProto:
+                   per_head_scale: bool = False, unscaled: bool = False, sdpa: bool = False,
+                   nan_guard: bool = False) -> onnx.ModelProto:
     """Q [b, hq, t, d], K and V [b, hkv, s, d] (graph inputs) -> the decomposed attention core -> Y [b, hq, t, d].
 
     ``mask``: "causal" (an input [1, 1, t, s]), "batch" ([b, 1, t, s]), "rows" ([1, 1, M, s], M a symbol of its own)
@@ -24,7 +25,8 @@ def attention_core(*, dtype: int = TensorProto.FLOAT, b: int = 1, hq: int = 8, h
     float32 and back after the Softmax; ``per_head_scale``: the scale is [1, hq, 1, 1]; ``unscaled``: no Mul (a
     scale of 1, which exporters drop: GraniteMoE's attention multiplier of 1); ``sdpa``: the scores as torch's
     scaled_dot_product_attention decomposes them, Q and K^T (K' viewed as [N, S, D], transposed, viewed back) each
-    times sqrt(scale) (a per-head [1, hq, 1, 1] one on Q with ``per_head_scale``)."""
+    times sqrt(scale) (a per-head [1, hq, 1, 1] one on Q with ``per_head_scale``); ``nan_guard``:
+    ``Where(IsNaN(P), 0, P)`` after the Softmax (that decomposition with ``dynamo=True``)."""
     npd = _NP[dtype]
     nodes, inits = [], []
 
@@ -69,6 +71,10 @@ def attention_core(*, dtype: int = TensorProto.FLOAT, b: int = 1, hq: int = 8, h
         nodes += [helper.make_node("Cast", ["probs"], ["probs32"], to=TensorProto.FLOAT),
                   helper.make_node("Cast", ["probs32"], ["probs16"], to=dtype)]
         last = "probs16"
+    if nan_guard:
+        nodes += [helper.make_node("IsNaN", [last], ["probs_nan"]),
+                  helper.make_node("Where", ["probs_nan", const("nan_zero", np.zeros((), npd)), last], ["probs_ok"])]
+        last = "probs_ok"
     nodes.append(helper.make_node("MatMul", [last, repeat("V")], ["Y"]))
     g = helper.make_graph(nodes, "main_graph", inputs, [helper.make_tensor_value_info("Y", dtype, [b, hq, t, d])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
@@ -111,5 +117,6 @@ def attention_cases() -> list:
                  matches=1, rtol=1e-2, feeds=_feeds),
         negative("softmax-over-queries", lambda: attention_core(axis=2)),
         negative("per-head-scale", lambda: attention_core(per_head_scale=True)),
+        positive("sdpa-nan-guard", lambda: attention_core(sdpa=True, nan_guard=True), matches=1, feeds=_feeds),
         negative("sdpa-per-head-scale", lambda: attention_core(sdpa=True, per_head_scale=True)),
     ]

@@ -9,11 +9,12 @@ Contract (inputs; float = f32 or f16, one type for all; B batch, T query rows, S
 3. ``mask`` (optional) float [Bm, Hm, Tm, S], added to the scaled scores; Bm in (1, B), Hm in (1, Hq), Tm in (1, T)
    broadcast (ONNX multidirectional broadcasting); -inf hides a position
 
-Attribute ``scale`` (float). Output ``Y`` [B, Hq, T, D]::
+Attributes ``scale`` (float), ``nan_rows_zero`` (int, default 0). Output ``Y`` [B, Hq, T, D]::
 
     scores = Q K^T            (summed in float32, rounded to Q's dtype: the ONNX MatMul)
     scores = scores * scale + mask            (each rounded to Q's dtype: the ONNX Mul and Add)
     P = Softmax(scores, axis=-1)              (rounded to Q's dtype)
+    P = Where(IsNaN(P), 0, P)                 (when nan_rows_zero: torch's SDPA decomposition with dynamo=True)
     Y = P V                   (summed in float32, rounded to Q's dtype)
 
 the decomposition the ``attention`` rule replaces (seed 000 "2. Self-Attention"; transformers' eager and SDPA
@@ -103,12 +104,15 @@ class GroupedAttention(AbstractOp):
         with np.errstate(invalid="ignore", over="ignore"):
             e = np.exp(s - s.max(axis=-1, keepdims=True))
             p = (e / e.sum(axis=-1, keepdims=True)).astype(dt)
+        if attrs.get("nan_rows_zero", 0):
+            p = np.where(np.isnan(p), np.zeros((), dt), p)
         return [(p.astype(f32) @ vr).astype(dt)]
 
     def sample_inputs(self, rng: np.random.Generator) -> list[tuple[dict, list[np.ndarray]]]:
         """Conformance-kit samples: grouped (4 query heads a K/V head) and plain heads, one query row (decode) and
         several (prefill), a static cache whose later positions the mask hides, masks of [1, 1, T, S],
-        [B, 1, T, S] and [1, Hq, T, S], no mask, f32 and f16."""
+        [B, 1, T, S] and [1, Hq, T, S], no mask, f32 and f16; ``nan_rows_zero`` with a row the mask hides
+        wholly."""
         def case(b, hq, hkv, t, s, d, dt, mask="causal", visible=None):
             q, k, v = (rng.standard_normal(shape).astype(dt) for shape in ((b, hq, t, d), (b, hkv, s, d), (b, hkv, s, d)))
             ins = [q, k, v]
@@ -122,7 +126,10 @@ class GroupedAttention(AbstractOp):
                         m[0, h, :, :h] = -np.inf
                 ins.append(np.broadcast_to(m, (b, 1, t, s)).copy() if mask == "batch" else m)
             return {"scale": float(d) ** -0.5}, ins
-        return [case(1, 8, 2, 1, 24, 32, np.float32, visible=17), case(1, 4, 4, 3, 16, 64, np.float16),
+        guarded = case(1, 4, 2, 2, 8, 32, np.float32)  # a fully hidden row: NaN probabilities, zeroed
+        guarded[0]["nan_rows_zero"] = 1
+        guarded[1][3][..., 0, :] = -np.inf
+        return [guarded, case(1, 8, 2, 1, 24, 32, np.float32, visible=17), case(1, 4, 4, 3, 16, 64, np.float16),
                 case(2, 6, 2, 5, 9, 32, np.float32, mask="batch"), case(1, 4, 1, 2, 40, 128, np.float16, visible=33),
                 case(1, 2, 2, 1, 8, 32, np.float32, mask=None), case(1, 6, 2, 2, 12, 32, np.float16, mask="heads")]
 
@@ -158,6 +165,8 @@ class GroupedAttention(AbstractOp):
         if mask:
             scores = b.op("Add", [scores, mask], dtype=dt)
         probs = b.op("Softmax", [scores], axis=-1, dtype=dt)
+        if node.attr("nan_rows_zero", 0):
+            probs = b.op("Where", [b.op("IsNaN", [probs], dtype=TensorProto.BOOL), b.const(np.zeros((), np_dt), "zero"), probs], dtype=dt)
         y = b.op("MatMul", [probs, repeated(v)], dtype=dt, shape=graph.values[node.outputs[0]].shape)
         graph.replace_node(node, [y])
         graph.remove_unused_initializers()
@@ -185,6 +194,8 @@ class GroupedAttention(AbstractOp):
                 contract."""
         if ctx.target != "cuda":
             raise BackendError(f"GroupedAttention CUDA lowering asked for target '{ctx.target}'")
+        if int(op.attrs.get("nan_rows_zero", 0)):
+            raise BackendError(f"GroupedAttention {op.where}: nan_rows_zero=1; the CUDA kernel does not zero NaN rows")
         t = _Operands(op)
         if t.d not in CUDA_HEAD_SIZES:
             raise BackendError(f"GroupedAttention {op.where}: head size D={t.d}; the CUDA kernel takes {CUDA_HEAD_SIZES}")
@@ -395,8 +406,15 @@ class _Linalg:
       %dv = arith.subf %v, %m : f32
       %e = math.exp %dv : f32
       %p = arith.divf %e, %z : f32
-      {rnd("p", "pq")}linalg.yield {"%pqr" if t.el == "f16" else "%p"} : f32
+      {rnd("p", "pq")}{self._nan_guard("%pqr" if t.el == "f16" else "%p")}
     }} -> {s5}"""
+
+    def _nan_guard(self, p: str) -> str:
+        """``linalg.yield`` of probability ``p``, 0 where it is NaN when the op has ``nan_rows_zero``."""
+        if not int(self.op.attrs.get("nan_rows_zero", 0)):
+            return f"linalg.yield {p} : f32"
+        return (f"%isnan = arith.cmpf uno, {p}, {p} : f32\n      %pz = arith.select %isnan, %zero, {p} : f32\n"
+                "      linalg.yield %pz : f32")
 
 
 def _f32_literal(v: float, el: str) -> str:
