@@ -8,8 +8,8 @@ Softmax of fp16 exports optional), or with the scores as torch's ``scaled_dot_pr
 ``torch.onnx.export(dynamo=True)``, ``Where(IsNaN(P), 0, P)`` after the Softmax: attribute ``nan_rows_zero``; not
 on IREE cuda, whose kernel lacks it), where ``K'`` and ``V'`` are the K/V heads repeated per query group,
 ``Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` (transformers' ``repeat_kv``; seed 000
-"2. Self-Attention"), or K and V themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``. The contract and the lowerings:
-:mod:`rewrite.plugins.attention.op`.
+"2. Self-Attention"), or K and V themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``.
+The contract and the lowerings: :mod:`rewrite.plugins.attention.op`.
 
 Why: IREE's own lowering materializes the repeated K and V of every layer (Qwen3-30B-A3B: 0.58 ms of a 4.72 ms
 decode step on an H200, in 96 launches) and runs the scores, softmax and product as separate dispatches; the CUDA
