@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import moe_families  # noqa: E402
 
 from rewrite.core import onnx_io  # noqa: E402
+from rewrite.errors import RewriteError  # noqa: E402
 from rewrite.generate import GenerationError, Generator  # noqa: E402
 from rewrite.pipeline import RewriteContext, apply, rewrite_graph  # noqa: E402
 from rewrite.plugins.manager import select_plugins  # noqa: E402
@@ -232,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-plugins", default="", help="comma-separated plugins added to both backends (e.g. attention)")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # family,exporter,experts,dtype: one row, in this process
     args = ap.parse_args(argv)
-    extra = tuple(p for p in args.extra_plugins.split(",") if p)
+    try:
+        extra = tuple(p.short for p in select_plugins(args.extra_plugins)) if args.extra_plugins else ()  # short names
+    except RewriteError as e:
+        ap.error(f"--extra-plugins: {e}")
     if args.row:
         row = Row(*args.row.split(","))
         try:

@@ -97,8 +97,8 @@ def test_sdpa_export_decodes_like_the_original(tmp_path, exporter):
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)  # head size 32: one the CUDA kernel takes
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -114,3 +114,17 @@ def test_sdpa_export_decodes_like_the_original(tmp_path, exporter):
     (rule,) = cuda.to_json()["rules"]
     assert rule["matches"] == (2 if exporter == "hf" else 0)
     assert exporter == "hf" or "the CUDA kernel does not zero NaN rows" in json.dumps(rule["refusals"])
+
+
+def test_cuda_target_refuses_head_sizes_the_kernel_lacks(tmp_path):
+    """For --target cuda the rule leaves an attention core of head size 16 alone (the kernel is built for 32, 64,
+    128 and 256), with the reason; for llvm-cpu it matches."""
+    from rewrite.plugins.attention.cases import attention_core
+
+    path = tmp_path / "d16.onnx"
+    onnx.save(attention_core(d=16), path)
+    for target, matches in (("cuda", 0), ("llvm-cpu", 1)):
+        (report,) = preview(path, "attention", backend="iree", target=target)
+        (rule,) = report.to_json()["rules"]
+        assert rule["matches"] == matches
+    assert "the CUDA kernel is built for (32, 64, 128, 256)" in json.dumps(preview(path, "attention", backend="iree", target="cuda")[0].to_json())

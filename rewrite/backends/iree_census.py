@@ -26,7 +26,8 @@ def census(folder: str | Path, flags: Sequence[str] = ()) -> dict:
     iree-compile option without rebuilding the folder).
 
     Returns:
-        ``dispatches``, ``copies``, ``fills`` (counts), ``copy_bytes`` and ``largest_copy`` (bytes),
+        ``dispatches``, ``copies``, ``fills`` (counts), ``copy_bytes`` and ``largest_copy`` (bytes; a copy whose
+        size is known only at run time counts 0),
         ``big_copies`` (copies of at least 1 MiB) and their ``big_copy_bytes``.
 
     Raises:
@@ -40,11 +41,13 @@ def census(folder: str | Path, flags: Sequence[str] = ()) -> dict:
     entry = json.loads(manifest.read_text())["entry_function"]
     out = folder / "census.stream.mlir"
     argv = [cmd[0], cmd[1], "-o", out.name, *cmd[4:], *flags, "--compile-to=stream"]
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=folder)
-    if proc.returncode != 0:
-        raise BackendError(f"{folder}: iree-compile --compile-to=stream failed: {proc.stderr.strip()[:400]}")
-    text = out.read_text()
-    out.unlink()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=folder)
+        if proc.returncode != 0:
+            raise BackendError(f"{folder}: iree-compile --compile-to=stream failed: {proc.stderr.strip()[:400]}")
+        text = out.read_text()
+    finally:
+        out.unlink(missing_ok=True)
     start = text.find(f"util.func public @{entry}$async(")
     if start < 0:
         start = text.find(f"util.func public @{entry}(")
@@ -52,8 +55,10 @@ def census(folder: str | Path, flags: Sequence[str] = ()) -> dict:
         raise BackendError(f"{folder}: entry function @{entry} not found in the stream IR")
     end = text.find("util.func ", start + 10)
     body = text[start:end if end > 0 else len(text)]
-    sizes = [int(n) for n in re.findall(r"stream\.cmd\.copy [^\n]*?, %c(\d+) :", body)]
+    # sizes are index constants (%c1048576, %c1048576_3); a copy of a size known only at run time counts as 0 bytes
+    copies = re.findall(r"stream\.cmd\.copy [^\n]*", body)
+    sizes = [int(m.group(1)) if m else 0 for m in (re.search(r", %c(\d+)(?:_\d+)? :", c) for c in copies)]
     big = [n for n in sizes if n >= 1 << 20]
-    return dict(dispatches=len(re.findall(r"stream\.cmd\.dispatch ", body)), copies=len(sizes),
+    return dict(dispatches=len(re.findall(r"stream\.cmd\.dispatch ", body)), copies=len(copies),
                 fills=len(re.findall(r"stream\.cmd\.fill ", body)), copy_bytes=sum(sizes),
                 largest_copy=max(sizes, default=0), big_copies=len(big), big_copy_bytes=sum(big))

@@ -4,7 +4,8 @@ Matches ``MatMul(Softmax(Add(Mul(MatMul(Q, Transpose(K', perm=[0, 1, 3, 2])), sc
 (the Add when there is a mask, the Mul when the scale is not 1, the ``Cast(float32) -> Cast(back)`` pair after the
 Softmax of fp16 exports optional), or with the scores as torch's ``scaled_dot_product_attention`` decomposes them
 (transformers' default attention): ``MatMul(Mul(Q, sqrt(scale)), Mul(Reshape(Transpose(Reshape(K', [N, S, D]),
-[0, 2, 1]), [B, H, D, S]), sqrt(scale)))``, the scale then the product of the two constants (and with
+[0, 2, 1]), [B, H, D, S]), sqrt(scale)))``, the scale then the product of the two constants (float32 only: in
+float16 the unscaled product could overflow where the scaled operands do not; and with
 ``torch.onnx.export(dynamo=True)``, ``Where(IsNaN(P), 0, P)`` after the Softmax: attribute ``nan_rows_zero``; not
 on IREE cuda, whose kernel lacks it), where ``K'`` and ``V'`` are the K/V heads repeated per query group,
 ``Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` (transformers' ``repeat_kv``; seed 000
@@ -28,7 +29,7 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
 from rewrite.core.pattern import AttrVar, Const, Or, Var
 from rewrite.core.rules import rule
-from rewrite.plugins.attention.op import GroupedAttention, check_shapes
+from rewrite.plugins.attention.op import CUDA_HEAD_SIZES, GroupedAttention, check_shapes
 from rewrite.plugins.base import KernelObject, Plugin
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
@@ -115,7 +116,15 @@ def _(m):
         if _TARGET.get() == ("iree", "cuda"):
             return m.fail("the NaN guard after the Softmax: the CUDA kernel does not zero NaN rows", m.node("nan_guard"))
     if "kt" in m:
-        bad = _transposed_view(m, list(k.shape) if "k_repeat" not in m else list(m.graph.values[m.node("k_repeat").outputs[0]].shape))
+        if q.dtype != TensorProto.FLOAT:
+            # Q and K^T each scaled, then multiplied: one scale after the product would round the unscaled
+            # product to the type first, which can overflow float16 where the original does not
+            return m.fail(f"scores of {dtype_name(q.dtype)} Q and K^T each scaled before the MatMul: only float32 "
+                          "folds the two scales into one", qk)
+        keys = k.shape if "k_repeat" not in m else m.graph.values[m.node("k_repeat").outputs[0]].shape
+        if keys is None:
+            return m.fail("the repeated keys have no inferred shape", m.node("k_repeat"))
+        bad = _transposed_view(m, list(keys))
         if bad is not None:
             return bad
     gk, gv = _group(m, "k", list(k.shape)), _group(m, "v", list(v.shape))
@@ -132,6 +141,8 @@ def _(m):
         return m.fail(str(e), qk)
     if q.shape[3] is None:
         return m.fail(f"Q {q.shape}: the head size must be static", qk)
+    if _TARGET.get() == ("iree", "cuda") and q.shape[3] not in CUDA_HEAD_SIZES:
+        return m.fail(f"head size {q.shape[3]}: the CUDA kernel is built for {CUDA_HEAD_SIZES}", qk)
 
 
 @grouped_attention.rewrite

@@ -61,12 +61,14 @@ def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False) -> tuple[i
 
     Raises:
         ValueError: naming ``where``: ranks other than 4, K and V of different shapes, Hq not a multiple of Hkv,
-            D or B differing, or a mask that does not broadcast as the contract says."""
+            D or B differing (or B unknown on the graph), or a mask that does not broadcast as the contract says."""
     if len(q) != 4 or len(k) != 4 or tuple(k) != tuple(v):
         raise ValueError(f"{where}: Q {list(q)}, K {list(k)}, V {list(v)}; expected Q [B, Hq, T, D] and K, V [B, Hkv, S, D]")
     b, hq, t, d = q
     _, hkv, s, dk = k
-    if not isinstance(hq, int) or not isinstance(hkv, int) or hq % hkv or dk != d or k[0] not in (b, None) and b is not None:
+    # B: the same size or dim name (an unknown dim proves nothing on the graph; lowered, the rule proved it)
+    same_b = k[0] == b and (b is not None or lowered) or lowered and (k[0] is None or b is None)
+    if not isinstance(hq, int) or not isinstance(hkv, int) or hq % hkv or dk != d or not same_b:
         raise ValueError(f"{where}: Q {list(q)} and K {list(k)}: Hq must be a static multiple of Hkv, D and B equal")
     if mask is not None:
         # a dim not known statically may be 1 or the full one (the lowerings look at run time); S is taken in full
@@ -143,7 +145,8 @@ class GroupedAttention(AbstractOp):
         dt = qv.dtype
         try:
             _, hq, hkv, _, _, d = check_shapes(qv.shape, kv.shape, graph.values[v].shape,
-                                               graph.values[mask].shape if mask else None, f"GroupedAttention node {node.describe()}")
+                                               graph.values[mask].shape if mask else None, f"GroupedAttention node {node.describe()}",
+                                               lowered=True)
         except ValueError as e:
             raise BackendError(str(e)) from None
         b = Builder(graph, "lower/GroupedAttention", node.order, node.name)
