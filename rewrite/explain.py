@@ -84,8 +84,10 @@ def _involves(f: Failure, node: str) -> bool:
     return f.anchor == node or f.node == node or any(g == node for _, g in f.pairs)
 
 
-def explain_rule(graph: Graph, rule: Rule, plugin: str = "", node: str | None = None, *, require_node: bool = True) -> RuleExplanation:
-    """The best attempt of ``rule`` on ``graph`` (read only), restricted to ``node`` when given.
+def explain_rule(graph: Graph, rule: Rule, plugin: str = "", node: str | None = None, *, require_node: bool = True,
+                 ctx: RewriteContext | None = None) -> RuleExplanation:
+    """The best attempt of ``rule`` on ``graph`` (read only), restricted to ``node`` when given; its check sees
+    ``ctx`` as a run's would.
 
     Raises:
         RewriteError: ``node`` names no node of the graph (unless ``require_node`` is False).
@@ -105,7 +107,7 @@ def explain_rule(graph: Graph, rule: Rule, plugin: str = "", node: str | None = 
     for anchor in anchors:
         trace = MatchTrace(labels)
         for binding in Matcher(graph, pat, trace).match_at(anchor):
-            m = Match(graph, pat, binding)
+            m = Match(graph, pat, binding, ctx)
             f = rule.run_check(m)
             status = "refused" if f is not None else "would-fire"
             f = f or Failure("", None, len(m.nodes), m.pairs(), anchor.name)
@@ -158,12 +160,12 @@ def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[st
     ctx = RewriteContext(backend=be, dims=dict(dims or {}))
     out: list[RuleExplanation] = []
     for p in selected:
-        before = [explain_rule(graph, r, p.short, node) for r in p.rules]
+        before = [explain_rule(graph, r, p.short, node, ctx=ctx) for r in p.rules]
         report = run_plugin(graph, p, ctx)
         graph.remove_unused_initializers()
         for r, ex in zip(p.rules, before):
             ex.matches = report.rule(r.name).matches
-            after = explain_rule(graph, r, p.short, node, require_node=False)
+            after = explain_rule(graph, r, p.short, node, require_node=False, ctx=ctx)
             if after.rank > ex.rank:
                 after.matches, ex = ex.matches, after
             if ex.matches and (node is None or ex.status == "would-fire"):

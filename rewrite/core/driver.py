@@ -92,9 +92,11 @@ def ordered(rules: Sequence[Rule]) -> list[Rule]:
     return sorted(rules, key=lambda r: -r.benefit)
 
 
-def apply_rules(graph: Graph, rules: Sequence[Rule], plugin: str, report: PluginReport, *, dry_run: bool = False) -> int:
+def apply_rules(graph: Graph, rules: Sequence[Rule], plugin: str, report: PluginReport, *, dry_run: bool = False,
+                ctx: RewriteContext | None = None) -> int:
     """Apply ``rules`` greedily until none fires (at most :data:`MAX_ITERATIONS` passes; hitting the bound
-    adds a note to ``report``).
+    adds a note to ``report``). The checks see ``ctx`` as ``m.ctx`` (a form one target's lowering lacks is
+    refused there).
 
     Returns the number of rewrites applied. With ``dry_run`` nothing changes; every first acceptable match is
     counted as a match. Exceptions from rules propagate (``run_plugin`` turns them into PluginError).
@@ -117,7 +119,7 @@ def apply_rules(graph: Graph, rules: Sequence[Rule], plugin: str, report: Plugin
                     continue
                 _current[:] = [r.name, anchor.name]
                 for binding in matcher.match_at(anchor):
-                    m = Match(graph, r.pattern, binding)
+                    m = Match(graph, r.pattern, binding, ctx)
                     fail = r.run_check(m)
                     if fail is not None:
                         nodes = rep.refusals.setdefault(fail.reason, [])

@@ -395,11 +395,12 @@ class Match:
     ``m["x"]`` is the graph value name bound to variable ``x``; ``m.value("x")`` its IR Value;
     ``m.node("inner")`` the graph node matched by the pattern node named ``inner``; ``m.attr("to")``
     an AttrVar's value; ``m.const("axes")`` a Const's data; ``m.outputs`` the graph values of the
-    pattern's outputs; ``m.nodes`` every matched graph node.
+    pattern's outputs; ``m.nodes`` every matched graph node; ``m.ctx`` the run's
+    :class:`rewrite.core.driver.RewriteContext` (backend, target, options), None outside a run.
     """
 
-    def __init__(self, graph: Graph, pattern: Pattern, binding: Binding):
-        self.graph, self.pattern, self.binding = graph, pattern, binding
+    def __init__(self, graph: Graph, pattern: Pattern, binding: Binding, ctx=None):
+        self.graph, self.pattern, self.binding, self.ctx = graph, pattern, binding, ctx
         self.nodes: list[Node] = sorted((graph.nodes[i] for i in binding.nodes.values()), key=lambda n: n.order)
         #: the values the rewrite's results replace; a check may move one downstream of the pattern (a match
         #: proved to extend past it), naming the nodes in between in ``extra_nodes``

@@ -69,7 +69,7 @@ class Plugin:
 
     def run(self, graph: Graph, report: PluginReport, ctx: "RewriteContext | None" = None, *, dry_run: bool = False) -> None:
         """Rewrite ``graph`` in place, recording what happened in ``report``. Default: apply :attr:`rules`."""
-        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run)
+        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
 
     def __repr__(self) -> str:
         return f"<plugin {self.short} ({self.name})>"

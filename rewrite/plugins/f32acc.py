@@ -164,7 +164,7 @@ class F32Acc(Plugin):
     def run(self, graph: Graph, report: PluginReport, ctx=None, *, dry_run: bool = False) -> None:
         mode = mode_of(ctx)
         selected = {"attention": [f32_accumulate_qk], "all": [f32_accumulate], "none": []}[mode]
-        apply_rules(graph, selected, self.short, report, dry_run=dry_run)
+        apply_rules(graph, selected, self.short, report, dry_run=dry_run, ctx=ctx)
 
     @property
     def cases(self):

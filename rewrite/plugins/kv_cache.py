@@ -361,7 +361,7 @@ class KVCache(Plugin):
         max_seq = opts.get("max_seq")
         if max_seq is not None:
             to_static_cache(graph, int(max_seq), report, dry_run=dry_run)
-        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run)
+        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
         if not dry_run and report.matches:
             if graph.opset(DOMAIN) is None:  # shape inference and the importer need the domain declared
                 graph.model_shell.opset_import.add(domain=DOMAIN, version=1)

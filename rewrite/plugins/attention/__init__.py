@@ -20,8 +20,6 @@ kernel reads each K/V head once for its query group. Runs after ``kv`` (whose st
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-
 import numpy as np
 from onnx import TensorProto
 
@@ -33,8 +31,11 @@ from rewrite.plugins.attention.op import CUDA_HEAD_SIZES, GroupedAttention, chec
 from rewrite.plugins.base import KernelObject, Plugin
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
-#: (backend, target) the running plugin lowers for: what the rule's check may refuse for a target
-_TARGET: ContextVar[tuple[str, str]] = ContextVar("attention_target", default=("ort", "cpu"))
+
+
+def _cuda(m) -> bool:
+    """The run lowers for IREE cuda (whose kernel lacks some forms the rule takes)."""
+    return m.ctx is not None and (m.ctx.backend, m.ctx.target) == ("iree", "cuda")
 
 
 def _repeated(op, cache, tag: str):
@@ -113,7 +114,7 @@ def _(m):
         zero = m.const("nan_zero")
         if zero is None or zero.size != 1 or float(np.asarray(zero).reshape(-1)[0]) != 0.0:
             return m.fail(f"the Where after IsNaN sets '{m['nan_zero']}', not 0", m.node("nan_guard"))
-        if _TARGET.get() == ("iree", "cuda"):
+        if _cuda(m):
             return m.fail("the NaN guard after the Softmax: the CUDA kernel does not zero NaN rows", m.node("nan_guard"))
     if "kt" in m:
         if q.dtype != TensorProto.FLOAT:
@@ -141,7 +142,7 @@ def _(m):
         return m.fail(str(e), qk)
     if q.shape[3] is None:
         return m.fail(f"Q {q.shape}: the head size must be static", qk)
-    if _TARGET.get() == ("iree", "cuda") and q.shape[3] not in CUDA_HEAD_SIZES:
+    if _cuda(m) and q.shape[3] not in CUDA_HEAD_SIZES:
         return m.fail(f"head size {q.shape[3]}: the CUDA kernel is built for {CUDA_HEAD_SIZES}", qk)
 
 
@@ -173,13 +174,6 @@ class Attention(Plugin):
     def rules(self):
         return [grouped_attention]
 
-    def run(self, graph, report, ctx=None, *, dry_run=False):
-        """Apply the rule with the backend and target in view (a form a target's kernel lacks is refused)."""
-        token = _TARGET.set((getattr(ctx, "backend", "ort"), getattr(ctx, "target", "cpu")))
-        try:
-            super().run(graph, report, ctx, dry_run=dry_run)
-        finally:
-            _TARGET.reset(token)
 
     @property
     def abstract_ops(self):

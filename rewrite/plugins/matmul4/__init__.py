@@ -184,7 +184,7 @@ class MatMul4(Plugin):
         for name in ("merge", "epilogue"):
             if not isinstance(opts.get(name, True), bool):
                 raise RewriteError(f"matmul4: option {name}={opts[name]!r}; true or false expected")
-        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run)
+        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
         if opts.get("merge", True):
             merge_shared_input(graph, report, dry_run=dry_run)
         if opts.get("epilogue", True):
