@@ -7,7 +7,8 @@ check against the op's numpy reference. On the GPU machine (nvcc and CuPy, no IR
 The kernel is launched as IREE launches it (``lower_iree_cuda``): the bindings' pointers, then the push constants
 as 32-bit integers, on the same grid. Cases: a static KV cache of S positions of which the first ``visible`` are
 written (the mask hides the rest, as ``kv --max-seq`` leaves it), T query rows at the last visible positions
-(causal). ``LAYERS`` K/V caches are used in turn, so a call reads its cache from HBM as a decode step does;
+(causal), their K and V rows passed apart (``K_new``, ``V_new``, ``position``: the form the
+``attention-reads-loaded-cache`` rule makes). ``LAYERS`` K/V caches are used in turn, so a call reads its cache from HBM as a decode step does;
 ``ITERS`` calls are captured in a CUDA graph and its replays timed with CUDA events (``timed`` of
 benchmarks/moe_cuda_kernels.py). Bytes per call: the visible K and V rows of every K/V head, Q, Y and the mask
 rows. Then the conformance kit's samples of the op (f32 and f16, every mask form) through the kernel. Exits 1 when
@@ -64,12 +65,17 @@ def main() -> int:
             dq, dmask, y = cp.asarray(q), cp.asarray(mask), cp.zeros((1, hq, t, d), cp.float16)
             scale = d ** -0.5
             grid = (hq, t, 1)
+            # the step's rows apart from the cache as loaded (the attention-reads-loaded-cache form): T rows at
+            # visible - T, read from k_new/v_new
             consts = [np.int32(c) for c in (t, s, hq, hkv, 0, 0, s, 1,  # T, S, Hq, Hkv, msb, msh, mst, has_mask
-                                            struct.unpack("<i", struct.pack("<f", scale))[0])]
+                                            struct.unpack("<i", struct.pack("<f", scale))[0], t)]  # scale, n_new
+            news = [tuple(x[:, :, visible - t:visible].copy() for x in layer) for layer in caches]
+            position = cp.asarray(np.array([visible - t], np.int64))
 
             def launch(layer: int) -> None:
                 k, v = caches[layer]
-                kernel(grid, (CUDA_THREADS,), (dq, k, v, dmask, y, *consts))
+                kn, vn = news[layer]
+                kernel(grid, (CUDA_THREADS,), (dq, k, v, dmask, kn, vn, position, y, *consts))
 
             launch(0)
             cp.cuda.Device().synchronize()
@@ -99,7 +105,7 @@ def check_samples(cp, mod) -> int:
     for n, (attrs, ins) in enumerate(op.sample_inputs(np.random.default_rng(1))):
         if attrs.get("nan_rows_zero"):  # the kernel has no NaN guard: the attention rule does not match it for cuda
             continue
-        q, k, v, mask = (ins + [None])[:4]
+        q, k, v, mask, k_new, v_new, position = (ins + [None] * 7)[:7]
         b, hq, t, d = q.shape
         el = "f16" if q.dtype == np.float16 else "f32"
         y = cp.zeros(q.shape, q.dtype)
@@ -107,16 +113,20 @@ def check_samples(cp, mod) -> int:
         if mask is not None:
             full = (mask.shape[1] * mask.shape[2] * mask.shape[3], mask.shape[2] * mask.shape[3], mask.shape[3])
             strides = [0 if mask.shape[i] == 1 else full[i] for i in range(3)]
+        n_new = 0 if k_new is None else k_new.shape[2]
         consts = [np.int32(c) for c in (t, k.shape[2], hq, k.shape[1], *strides, int(mask is not None),
-                                        struct.unpack("<i", struct.pack("<f", attrs["scale"]))[0])]
-        dmask = cp.asarray(mask) if mask is not None else cp.zeros(1, q.dtype)
+                                        struct.unpack("<i", struct.pack("<f", attrs["scale"]))[0], n_new)]
+        dummy = cp.zeros(1, q.dtype)
+        dmask = cp.asarray(mask) if mask is not None else dummy
+        news = (cp.asarray(k_new), cp.asarray(v_new), cp.asarray(position)) if n_new else (dummy, dummy, cp.zeros(1, cp.int64))
         mod.get_function(f"grouped_attention_{el}_d{d}")((hq, t, b), (CUDA_THREADS,),
-                                                         (cp.asarray(q), cp.asarray(k), cp.asarray(v), dmask, y, *consts))
-        want = op.reference(attrs, q, k, v, mask)[0].astype(np.float64)
+                                                         (cp.asarray(q), cp.asarray(k), cp.asarray(v), dmask, *news, y, *consts))
+        want = op.reference(attrs, q, k, v, mask, k_new, v_new, position)[0].astype(np.float64)
         err = float(np.abs(cp.asnumpy(y).astype(np.float64) - want).max() / max(1e-6, np.abs(want).max()))
         ok = err <= (1e-2 if el == "f16" else 1e-4)
         failed += not ok
-        print(f"sample {n}: Q {list(q.shape)} K {list(k.shape)} mask {None if mask is None else list(mask.shape)} {el}: "
+        print(f"sample {n}: Q {list(q.shape)} K {list(k.shape)} mask {None if mask is None else list(mask.shape)} "
+              f"new rows {n_new} {el}: "
               f"rel. error {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
     return failed
 

@@ -59,6 +59,10 @@ CONFIGS = (
     ("iree", "cast,legalize,expand,kv,attention,topk,moe", True),
     ("iree", "quant4,matmul4,cast,legalize,expand,kv,attention,topk,moe", True),
     ("ort", "cast,kv,attention,topk,moe", True),
+    # RoPE (with Qwen3's q/k norms) and the other RMSNorms as one op each: the rope and rmsnorm plugins' CUDA kernels
+    ("iree", "cast,rope,rmsnorm,legalize,expand,kv,attention,topk,moe", True),
+    ("iree", "quant4,matmul4,cast,rope,rmsnorm,legalize,expand,kv,attention,topk,moe", True),
+    ("ort", "cast,rope,rmsnorm,kv,attention,topk,moe", True),
 )
 #: plugin sets for the other families (``--families``): the coverage matrix's ``topk,moe`` with a static KV cache
 FAMILY_CONFIGS = (
@@ -85,8 +89,9 @@ def _export(family: str, dtype: str, out_dir: Path) -> tuple[Path, tuple]:
 
 def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS, dtypes: tuple[str, ...] = DTYPES,
             only_with: str | None = None) -> None:
-    """Export, lower and record the reference tokens (module docstring). ``only_with``: only the plugin sets that
-    include this plugin, and no single-op rows (a bundle to check one plugin with)."""
+    """Export, lower and record the reference tokens (module docstring). ``only_with``: comma-separated plugins;
+    only the plugin sets that include one of them, and of the single-op rows only those plugins' op samples (a
+    bundle to check some plugins with)."""
     from rewrite.errors import RewriteError
     from rewrite.generate import Generator
     from rewrite.pipeline import apply
@@ -106,7 +111,7 @@ def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS,
                     apply(src, out / f"{arch}_{dtype}_quant4_src", plugins="quant4", backend="ort")
                     ref_q4 = Generator.reference(out / f"{arch}_{dtype}_quant4_src" / "model.onnx").generate(PROMPT, STEPS).tokens
                 for backend, plugins, expected in configs:
-                    if only_with and only_with not in plugins.split(","):
+                    if only_with and not set(only_with.split(",")) & set(plugins.split(",")):
                         continue
                     name = f"{arch}_{dtype}_{backend}_{plugins.replace(',', '-')}"
                     row = dict(model=arch, dtype=dtype, backend=backend, target="cuda", plugins=plugins, folder=name,
@@ -145,7 +150,68 @@ def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS,
                 row["error"] = str(e)
             rows.append(row)
             print(f"prepared {folder}: {row['error'] or 'ok'}", flush=True)
+        for plugin, op in _op_samples():  # the conformance kit's samples of ops with CUDA kernels, lowered for iree cuda
+            if only_with and plugin not in only_with.split(","):
+                continue
+            rows += _op_sample_rows(out, op)
     (out / "bundle.json").write_text(json.dumps({"prompt": PROMPT, "steps": STEPS, "rows": rows}, indent=1) + "\n")
+
+
+def _op_samples() -> tuple:
+    """(plugin, abstract op) whose ``sample_inputs`` are checked one op at a time on IREE cuda."""
+    from rewrite.plugins.attention.op import GroupedAttention
+    from rewrite.plugins.rmsnorm.op import RMSNorm
+    from rewrite.plugins.rope.op import RotaryEmbedding
+
+    return (("attention", GroupedAttention()), ("rope", RotaryEmbedding()), ("rmsnorm", RMSNorm()))
+
+
+def _op_sample_rows(out: Path, op) -> list[dict]:
+    """One row per ``op.sample_inputs`` sample: a one-node model lowered with ``apply --backend iree --target
+    cuda`` into ``op_<type>_<k>``, its inputs and the reference's outputs in ``cases.npz`` (a sample the CUDA
+    lowering refuses, such as attention's ``nan_rows_zero``, is recorded with its error, not expected)."""
+    import onnx
+
+    from rewrite.errors import RewriteError
+    from rewrite.pipeline import apply
+    from rewrite.testing.conformance import single_op_model
+
+    rows = []
+    for k, (attrs, inputs) in enumerate(op.sample_inputs(np.random.default_rng(0))):
+        inputs = [None if x is None else np.asarray(x) for x in inputs]
+        want = [np.asarray(r) for r in op.reference(attrs, *inputs)]
+        folder = out / f"op_{op.op_type}_{k}"
+        row = dict(model=f"op-{op.op_type}-{k}", dtype=str(inputs[0].dtype), backend="iree", target="cuda", plugins="-",
+                   folder=folder.name, reference=None, expected=not attrs.get("nan_rows_zero"), error=None)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            src = folder.with_suffix(".onnx")
+            onnx.save(single_op_model(op, attrs, inputs, want), src)
+            apply(src, folder, backend="iree", target="cuda")
+            src.unlink()
+            np.savez(folder / "cases.npz", **{f"in{i}": x for i, x in enumerate(inputs) if x is not None},
+                     **{f"want{i}": w for i, w in enumerate(want)})
+        except RewriteError as e:
+            row["error"] = str(e)
+        rows.append(row)
+        print(f"prepared {folder.name}: {row['error'] or 'ok'}", flush=True)
+    return rows
+
+
+def _check_op(folder: Path) -> str | None:
+    """None when the folder's one-op model gives the reference's outputs (``rewrite.verify.compare``: the
+    tolerance of the output's dtype)."""
+    from rewrite.backends import load_runner
+    from rewrite.verify import compare
+
+    runner = load_runner(folder)
+    cases = np.load(folder / "cases.npz")
+    got = runner.run({n: cases[n] for n in cases.files if n.startswith("in") and n in runner.input_names})
+    for name in (n for n in cases.files if n.startswith("want")):
+        c = compare(name, got["out" + name[4:]], cases[name])
+        if not c.ok:
+            return c.line()
+    return None
 
 
 ROUTER_MODES = ("softmax_topk", "topk_softmax", "grouped", "sparsemixer")
@@ -335,7 +401,8 @@ def run(bundle: Path) -> int:
         try:
             if row["reference"] is None:  # an op row: the lowering against its numpy reference
                 kind, name = row["model"].split("-", 1)
-                why = _check_router(bundle / row["folder"], name) if kind == "router" else _check_moe(bundle / row["folder"])
+                check = {"router": lambda: _check_router(bundle / row["folder"], name), "op": lambda: _check_op(bundle / row["folder"])}
+                why = check.get(kind, lambda: _check_moe(bundle / row["folder"]))()
                 print(f"{head} {'ok (equals the reference)' if why is None else 'WRONG: ' + why}", flush=True)
                 bad += why is not None
                 continue
@@ -376,7 +443,8 @@ def main() -> int:
     p.add_argument("--families", default=",".join(MODELS),
                    help="comma-separated: qwen2_moe, qwen3_moe and the families of examples/moe_families.py")
     p.add_argument("--dtypes", default=",".join(DTYPES))
-    p.add_argument("--only-with", metavar="PLUGIN", help="only the plugin sets with this plugin; no single-op rows")
+    p.add_argument("--only-with", metavar="PLUGINS", help="comma-separated: only the plugin sets with one of these "
+                   "plugins, and only their op samples of the single-op rows")
     r = sub.add_parser("run")
     r.add_argument("bundle", type=Path)
     args = ap.parse_args()

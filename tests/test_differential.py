@@ -299,12 +299,12 @@ def kv_samples(draw):
 
 def _check_kv(sample, backend: str, workdir) -> None:
     from rewrite.plugins.kv_cache import KVCacheUpdate
-    from rewrite.testing.conformance import _single_op_model, lower_graph
+    from rewrite.testing.conformance import single_op_model, lower_graph
 
     attrs, *inputs = sample
     op = KVCacheUpdate()
     want = op.reference(attrs, *inputs)[0]
-    folder = lower_graph(onnx_io.load(_single_op_model(op, attrs, inputs, [want])), backend, workdir / backend, [op])
+    folder = lower_graph(onnx_io.load(single_op_model(op, attrs, inputs, [want])), backend, workdir / backend, [op])
     got = load_runner(folder).run({f"in{i}": x for i, x in enumerate(inputs)})["out0"]
     np.testing.assert_array_equal(got, want)  # data movement only: bit-exact
 

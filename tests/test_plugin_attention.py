@@ -21,6 +21,11 @@ PROMPT = [11, 22, 33, 44, 55]
 PLUGINS = {"ort": "cast,kv,attention,topk,moe", "iree": "cast,legalize,expand,kv,attention,topk,moe"}
 
 
+def _rules(report: dict) -> dict[str, int]:
+    """Matches by rule of one plugin's report (``apply``'s manifest entry or ``preview``'s JSON)."""
+    return {r["rule"]: r["matches"] for r in report["rules"]}
+
+
 def _count(folder, op_type: str) -> int:
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     return sum(n.op_type == op_type for n in model.graph.node)
@@ -32,11 +37,14 @@ def test_transformers_export_decodes_like_the_original(qwen3_moe_tiny, tmp_path,
     """transformers' Qwen3-MoE export (4 query heads per K/V head, repeat_kv's Expand): one match per layer, no
     Softmax left on IREE (on ONNX Runtime the decomposition comes back), 16 greedy tokens equal to ONNX Runtime on
     the original and logits within float32 tolerance; with ``kv``'s static cache, and with the export's growing
-    cache (S and the mask's last dim one symbolic dim, dynamic in the lowered module)."""
+    cache (S and the mask's last dim one symbolic dim, dynamic in the lowered module). On IREE with the static
+    cache each attention then reads the cache as loaded plus the new rows (on ONNX Runtime it keeps reading the
+    written cache)."""
     options = {"kv": {"max_seq": max_seq}} if max_seq else {}
     m = apply(qwen3_moe_tiny, tmp_path / backend, plugins=PLUGINS[backend], backend=backend, options=options)
     (report,) = [r for r in m.report if r["plugin"] == "attention"]
-    assert report["matches"] == 2
+    loaded = 2 if backend == "iree" and max_seq else 0
+    assert _rules(report) == {"grouped-attention": 2, "attention-reads-loaded-cache": loaded}
     if backend == "iree":
         assert _count(tmp_path / backend, "GroupedAttention") == 2 and _count(tmp_path / backend, "Softmax") == 0
     else:
@@ -56,7 +64,8 @@ def test_seed_form_fp16_on_iree(tmp_path):
     model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
     path = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
     m = apply(path, tmp_path / "iree", plugins=PLUGINS["iree"], backend="iree")
-    assert [r["matches"] for r in m.report if r["plugin"] == "attention"] == [2]
+    (report,) = [r for r in m.report if r["plugin"] == "attention"]
+    assert _rules(report) == {"grouped-attention": 2, "attention-reads-loaded-cache": 2}
     got = Generator(tmp_path / "iree").generate(PROMPT, 8)
     ref = Generator.reference(path).generate(PROMPT, 8)
     assert got.tokens == ref.tokens
@@ -66,13 +75,18 @@ def test_seed_form_fp16_on_iree(tmp_path):
 def test_cuda_lowering_compiles(tmp_path):
     """iree --target cuda on the fp16 Qwen3 seed form: one dispatch of the shipped PTX kernel per layer for its
     head size, the mask's strides found at run time, and the module compiles (no GPU). In the stateful step
-    iree-compile copies at most one cache slot at a time, never a whole state global (IREE's own attention makes
-    it copy the global before each layer's write: BENCHMARKS.md, "attention on CUDA")."""
+    iree-compile copies no cache at all: each attention reads the cache as loaded plus the new rows, and the
+    writes come after every read (IREE's own attention makes it copy the global before each layer's write, an
+    attention reading the written cache a slot per layer: BENCHMARKS.md, "attention on CUDA")."""
     import seed_form
 
     model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
     path = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
-    m = apply(path, tmp_path / "cuda", plugins=PLUGINS["iree"], backend="iree", target="cuda", options={"stateful": True})
+    # a decode step, with rope: the rotated keys then come from a kernel iree-compile cannot fuse into the cache
+    # write, so the write stays after the reads (a dynamic step, or one with IREE's own RoPE fused into the write,
+    # copies the whole state global once instead)
+    m = apply(path, tmp_path / "cuda", plugins="cast,rope,legalize,expand,kv,attention,topk,moe", backend="iree",
+              target="cuda", options={"stateful": True}, dims={"seq_len": 1})
     mlir = (tmp_path / "cuda" / "model.mlir").read_text()
     d = seed_form.seed_config("fp16", arch="qwen3_moe").head_dim
     assert len(re.findall(rf"flow\.dispatch @attention_exec::@grouped_attention_f16_d{d}\[", mlir)) == 2
@@ -81,7 +95,7 @@ def test_cuda_lowering_compiles(tmp_path):
     (state,) = m.state
     slot_bytes = int(np.prod(state["shape"][1:])) * 2  # one cache (K or V of a layer), f16
     counts = census(tmp_path / "cuda")
-    assert counts["largest_copy"] == slot_bytes < int(np.prod(state["shape"])) * 2
+    assert counts["copy_bytes"] < slot_bytes  # what is left: a few hundred bytes of RoPE tables
 
 
 @pytest.mark.slow
@@ -111,7 +125,7 @@ def test_sdpa_export_decodes_like_the_original(tmp_path, exporter):
         assert [r["matches"] for r in m.report if r["plugin"] == "attention"] == [2]
         assert Generator(tmp_path / backend).generate(PROMPT, 16).tokens == ref
     (cuda,) = preview(path, "attention", backend="iree", target="cuda")
-    (rule,) = cuda.to_json()["rules"]
+    (rule,) = [r for r in cuda.to_json()["rules"] if r["rule"] == "grouped-attention"]
     assert rule["matches"] == (2 if exporter == "hf" else 0)
     assert exporter == "hf" or "the CUDA kernel does not zero NaN rows" in json.dumps(rule["refusals"])
 
@@ -125,6 +139,5 @@ def test_cuda_target_refuses_head_sizes_the_kernel_lacks(tmp_path):
     onnx.save(attention_core(d=16), path)
     for target, matches in (("cuda", 0), ("llvm-cpu", 1)):
         (report,) = preview(path, "attention", backend="iree", target=target)
-        (rule,) = report.to_json()["rules"]
-        assert rule["matches"] == matches
+        assert _rules(report.to_json())["grouped-attention"] == matches
     assert "the CUDA kernel is built for (32, 64, 128, 256)" in json.dumps(preview(path, "attention", backend="iree", target="cuda")[0].to_json())

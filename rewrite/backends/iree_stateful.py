@@ -135,13 +135,14 @@ class _Slot:
 
 def make_stateful(mod: MlirModule, function: str, input_names: list[str], output_names: list[str],
                   pairs: list[tuple[str, str]], onnx_dtype: str, axis: int | None = None,
-                  max_slots: int = MAX_SLOTS_PER_GLOBAL) -> list[StateSpec]:
+                  max_slots: int = MAX_SLOTS_PER_GLOBAL, rows_apart: bool = False) -> list[StateSpec]:
     """Move the cache tensors of ``pairs`` ((input name, output name), in slot order) into module state, in place.
 
     ``input_names``/``output_names``: the entry function's arguments/results in order (graph inputs, graph
     outputs). Every paired tensor must have the same static type. The slots are split into globals of at most
     ``max_slots`` (:func:`group_sizes`). When ``axis`` is given, a present that is
-    ``KVCacheUpdate(past, update, position)`` of its own past is written as its new rows only (module docstring).
+    ``KVCacheUpdate(past, update, position)`` of its own past is written as its new rows only (module docstring);
+    ``rows_apart``: the step also reads those rows apart from the cache as loaded (see :func:`_rows_barrier`).
 
     Returns:
         one :class:`StateSpec` per global, in slot order.
@@ -179,7 +180,7 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
     globals_ = "\n".join(f"util.global private mutable @{global_name(j)} = dense<{zero}> : {gtype}" for j, gtype in enumerate(gtypes))
     mod.add(globals_, "stateful KV cache", first=True)
     # the helpers' piece holds the globals again (left out when added: the same ops) so that it verifies alone
-    mod.add(globals_ + "\n" + _helpers(slots, direct, gtypes, entry, axis, str(opset) if opset is not None else None),
+    mod.add(globals_ + "\n" + _helpers(slots, direct, gtypes, entry, axis, str(opset) if opset is not None else None, rows_apart),
             "stateful KV cache")
 
     loc = fn.location
@@ -234,7 +235,8 @@ def _position(block: ir.Block, op: ir.Operation) -> int:
     raise BackendError("stateful: a KV cache update is not in the entry function's body")
 
 
-def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis: int | None, opset: str | None) -> str:
+def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis: int | None, opset: str | None,
+             rows_apart: bool = False) -> str:
     """The getters and the private helpers of :func:`make_stateful`, as one piece of MLIR (it loads the
     globals, which the module must hold already)."""
     attrs = f" attributes {{torch.onnx_meta.opset_version = {opset}}}" if opset else ""  # the torch pipeline wants it on every function
@@ -259,12 +261,31 @@ def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis
             continue
         t_u, t_p = VTensor.parse(str(call.operands[1].type)), VTensor.parse(str(call.operands[2].type))
         out.append(f"func.func private @{_HELPER}write_{k}(%s: {gtype}, %u: {t_u.text}, %p: {t_p.text}) -> ({gtype}, {t}){attrs} {{\n"
-                   f"  %ub = torch_c.to_builtin_tensor %u : {t_u.text} -> {t_u.builtin}\n"
+                   f"  %ur = torch_c.to_builtin_tensor %u : {t_u.text} -> {t_u.builtin}\n"
+                   + (_rows_barrier(t_u) if rows_apart else f"  %ub = tensor.cast %ur : {t_u.builtin} to {t_u.builtin}\n") +
                    f"  %pb = torch_c.to_builtin_tensor %p : {t_p.text} -> {t_p.builtin}\n"
                    + insert_rows_mlir("w", "%s", gtype, [str(slot.index)], "%ub", t_u, "%pb", t_p, entry.dims[axis], axis, "%w") + "\n"
                    f"  %e = tensor.extract_slice %w[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
                    f"  %v = torch_c.from_builtin_tensor %e : {b} -> {t}\n  return %w, %v : {gtype}, {t}\n}}")
     return "\n".join(out)
+
+
+def _rows_barrier(rows: VTensor) -> str:
+    """MLIR defining ``%ub``: the rows a state write inserts (``%ur``) behind ``iree_tensor_ext.compute_barrier.start``,
+    for a step that reads them apart from the cache as loaded.
+
+    Their producer then stays out of the write's dispatch. Fused into it, the write would run where the rows are
+    made, before this step's reads of the cache as loaded (GroupedAttention with new rows, the ``attention``
+    plugin), and iree-compile 3.13 would copy the whole global to keep those reads valid; kept apart, every write
+    stays after the reads (they are the entry function's last ops) and is done in place. (``util.optimization_barrier``
+    does the same but makes the step wait on the host there.) A step whose attention reads the written cache needs
+    no barrier, and iree-compile fuses a producer such as its own RoPE into the write: a dispatch fewer per cache."""
+    dims = [f"%ud{k}" for k, d in enumerate(rows.dims) if d is None]
+    lines = [f"  %uc{k} = arith.constant {k} : index\n  %ud{k} = tensor.dim %ur, %uc{k} : {rows.builtin}\n"
+             for k, d in enumerate(rows.dims) if d is None]
+    types = "".join(", index" for _ in dims)
+    return "".join(lines) + (f"  %ub = \"iree_tensor_ext.compute_barrier.start\"(%ur{''.join(', ' + d for d in dims)}) : "
+                             f"({rows.builtin}{types}) -> {rows.builtin}\n")
 
 
 def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> list[StateSpec]:
@@ -290,8 +311,10 @@ def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> lis
     axes = {n.attr("axis") % len(graph.values[n.inputs[0]].shape) for n in graph.nodes.values()
             if n.op_type == "KVCacheUpdate" and graph.values[n.inputs[0]].shape is not None}  # as the op reads it
     axis = axes.pop() if len(axes) == 1 else None
+    # an attention reading the cache as loaded plus the new rows (the attention plugin's attention-reads-loaded-cache)
+    rows_apart = any(n.op_type == "GroupedAttention" and any(n.inputs[4:]) for n in graph.nodes.values())
     with mod.context:
-        specs = make_stateful(mod, function, ins, outs, pairs, dtype, axis)
+        specs = make_stateful(mod, function, ins, outs, pairs, dtype, axis, rows_apart=rows_apart)
     state_in, state_out = {p for p, _ in pairs}, {o for _, o in pairs}
     manifest.inputs = [d for d in manifest.inputs if d["name"] not in state_in]
     manifest.outputs = [d for d in manifest.outputs if d["name"] not in state_out]

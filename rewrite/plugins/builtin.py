@@ -17,6 +17,8 @@ def rewrite_plugins():
     from rewrite.plugins.moe import MoE
     from rewrite.plugins.f32acc import F32Acc
     from rewrite.plugins.quant4 import Quant4
+    from rewrite.plugins.rmsnorm import RmsNorm
+    from rewrite.plugins.rope import Rope
     from rewrite.plugins.router import RouterTopK
 
-    return [CastRoundtrip(), Legalize(), ExpandShapes(), KVCache(), Attention(), RouterTopK(), MoE(), Quant4(), MatMul4(), DenseMM(), F32Acc()]
+    return [CastRoundtrip(), Legalize(), ExpandShapes(), KVCache(), Rope(), RmsNorm(), Attention(), RouterTopK(), MoE(), Quant4(), MatMul4(), DenseMM(), F32Acc()]

@@ -82,38 +82,11 @@ class KVCacheUpdate(AbstractOp):
         return [out]
 
     def lower_ort(self, graph: Graph, node: Node) -> None:
-        """ScatterND with indices over the leading ``axis + 1`` dims (measured fastest of ScatterElements,
-        ScatterND and Slice+Concat on ORT 1.32 CPU, BENCHMARKS.md "kv"); when a leading dim is not static,
-        ScatterElements with the range rebuilt (the original form)."""
+        """:func:`rows_written_onnx` in place of the node."""
         past, update, position = node.inputs
         axis = node.attr("axis") % len(graph.values[past].shape)
-        shape = graph.values[past].shape
         b = Builder(graph, "lower/KVCacheUpdate", node.order, node.name)
-        one, zero = b.const(1, "one", np.int64), b.const(0, "zero", np.int64)
-        pos = b.op("Reshape", [position, b.const([1], "one_elem", np.int64)])
-        size = b.const([shape[axis]], "size", np.int64) if isinstance(shape[axis], int) else b.op("Shape", [past], start=axis, end=axis + 1)
-        pos = b.op("Where", [b.op("Less", [pos, b.const([0], "z1", np.int64)]), b.op("Add", [pos, size]), pos])
-        n = b.op("Squeeze", [b.op("Shape", [update], start=axis, end=axis + 1)])
-        rows = b.op("Add", [pos, b.op("Range", [zero, n, one])])  # [n]
-        lead = shape[:axis]
-        if all(isinstance(d, int) for d in lead):
-            grid_shape = [1] * axis + [-1, 1]
-            idx_axis = b.op("Reshape", [rows, b.const(grid_shape, "grid", np.int64)])  # [1.., n, 1]
-            parts = []
-            for k, d in enumerate(lead):
-                g = np.arange(d, dtype=np.int64).reshape([d if j == k else 1 for j in range(axis)] + [1, 1])
-                parts.append(b.const(g, f"lead{k}"))
-            target = b.op("Concat", [b.op("Shape", [update], start=0, end=axis + 1), b.const([1], "one1", np.int64)], axis=0)
-            parts = [b.op("Expand", [p, target]) for p in parts] + [b.op("Expand", [idx_axis, target])]
-            idx = b.op("Concat", parts, axis=-1) if len(parts) > 1 else parts[0]
-            out = b.op("ScatterND", [past, idx, update])
-        else:
-            shape_r = [1] * len(shape)
-            shape_r[axis] = -1
-            idx = b.op("Expand", [b.op("Reshape", [rows, b.const(shape_r, "rs", np.int64)]), b.op("Shape", [update])])
-            out = b.op("ScatterElements", [past, idx, update], axis=axis)
-        graph.values[out].set_type(graph.values[past].dtype, shape)
-        graph.replace_node(node, [out])
+        graph.replace_node(node, [rows_written_onnx(graph, b, past, update, position, axis)])
 
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """``update`` scattered into ``past`` at rows ``offset ..`` of ``axis``, the offset computed on the device
@@ -122,6 +95,40 @@ class KVCacheUpdate(AbstractOp):
         axis = int(op.attrs["axis"]) % len(past.dims)
         seq = past.dims[axis] if past.dims[axis] is not None else f"%in0_d{axis}"
         return IreeLowering(body=insert_rows_mlir("kv", "%in0", past.builtin, [], "%in1", update, "%in2", pos, seq, axis, "%out0"))
+
+
+def rows_written_onnx(graph: Graph, b: Builder, past: str, update: str, position: str, axis: int) -> str:
+    """The KVCacheUpdate contract as standard ONNX ops built with ``b``; returns the written cache's value name.
+
+    ScatterND with indices over the leading ``axis + 1`` dims (measured fastest of ScatterElements, ScatterND and
+    Slice+Concat on ORT 1.32 CPU, BENCHMARKS.md "kv"); when a leading dim is not static, ScatterElements with the
+    range rebuilt (the original form)."""
+    shape = graph.values[past].shape
+    one, zero = b.const(1, "one", np.int64), b.const(0, "zero", np.int64)
+    pos = b.op("Reshape", [position, b.const([1], "one_elem", np.int64)])
+    size = b.const([shape[axis]], "size", np.int64) if isinstance(shape[axis], int) else b.op("Shape", [past], start=axis, end=axis + 1)
+    pos = b.op("Where", [b.op("Less", [pos, b.const([0], "z1", np.int64)]), b.op("Add", [pos, size]), pos])
+    n = b.op("Squeeze", [b.op("Shape", [update], start=axis, end=axis + 1)])
+    rows = b.op("Add", [pos, b.op("Range", [zero, n, one])])  # [n]
+    lead = shape[:axis]
+    if all(isinstance(d, int) for d in lead):
+        grid_shape = [1] * axis + [-1, 1]
+        idx_axis = b.op("Reshape", [rows, b.const(grid_shape, "grid", np.int64)])  # [1.., n, 1]
+        parts = []
+        for k, d in enumerate(lead):
+            g = np.arange(d, dtype=np.int64).reshape([d if j == k else 1 for j in range(axis)] + [1, 1])
+            parts.append(b.const(g, f"lead{k}"))
+        target = b.op("Concat", [b.op("Shape", [update], start=0, end=axis + 1), b.const([1], "one1", np.int64)], axis=0)
+        parts = [b.op("Expand", [p, target]) for p in parts] + [b.op("Expand", [idx_axis, target])]
+        idx = b.op("Concat", parts, axis=-1) if len(parts) > 1 else parts[0]
+        out = b.op("ScatterND", [past, idx, update])
+    else:
+        shape_r = [1] * len(shape)
+        shape_r[axis] = -1
+        idx = b.op("Expand", [b.op("Reshape", [rows, b.const(shape_r, "rs", np.int64)]), b.op("Shape", [update])])
+        out = b.op("ScatterElements", [past, idx, update], axis=axis)
+    graph.values[out].set_type(graph.values[past].dtype, shape)
+    return out
 
 
 KV_UPDATE = KVCacheUpdate()

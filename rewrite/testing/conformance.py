@@ -298,7 +298,7 @@ def check_kernel(op: AbstractOp, backend: str, workdir: Path, seed: int = 0) -> 
     for k, (attrs, inputs) in enumerate(op.sample_inputs(rng)):
         inputs = [None if x is None else np.asarray(x) for x in inputs]
         ref = [np.asarray(r) for r in op.reference(attrs, *inputs)]
-        model = _single_op_model(op, attrs, inputs, ref)
+        model = single_op_model(op, attrs, inputs, ref)
         folder = lower_graph(onnx_io.load(model), backend, Path(workdir) / f"{op.op_type}-{backend}-{k}", [op])
         runner = load_runner(folder)
         got = runner.run({f"in{i}": x for i, x in enumerate(inputs) if x is not None})
@@ -309,7 +309,9 @@ def check_kernel(op: AbstractOp, backend: str, workdir: Path, seed: int = 0) -> 
                 raise ConformanceFailure(f"abstract op {op.op_type} on {backend}, sample {k} (attrs {attrs}, input shapes {shapes}): {c.line()}")
 
 
-def _single_op_model(op: AbstractOp, attrs: dict, inputs: list[np.ndarray | None], outputs: list[np.ndarray]) -> onnx.ModelProto:
+def single_op_model(op: AbstractOp, attrs: dict, inputs: list[np.ndarray | None], outputs: list[np.ndarray]) -> onnx.ModelProto:
+    """A model of one ``op`` node with ``attrs``: graph inputs ``in<i>`` of the ``inputs``' types and shapes (``""``
+    in the node for a None), outputs ``out<i>`` typed as ``outputs``."""
     def vi(name: str, a: np.ndarray) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
 

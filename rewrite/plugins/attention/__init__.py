@@ -12,6 +12,13 @@ on IREE cuda, whose kernel lacks it), where ``K'`` and ``V'`` are the K/V heads 
 "2. Self-Attention"), or K and V themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``.
 The contract and the lowerings: :mod:`rewrite.plugins.attention.op`.
 
+A second rule, ``attention-reads-loaded-cache`` (``--backend iree`` only), takes a GroupedAttention whose K and V
+are ``kv``'s ``KVCacheUpdate(past, rows, position)`` and gives it ``past`` with the rows apart (inputs ``K_new``,
+``V_new``, ``position``), moving the two cache writes after every other node: each attention then reads the cache
+as the step loaded it, and iree-compile, with every write after every read, writes the state in place instead of
+copying a cache slice per attention (with iree-compile's own RoPE fused into the write, the write would still run
+early: the stateful writes keep their rows' producer apart, ``rewrite.backends.iree_stateful``).
+
 Why: IREE's own lowering materializes the repeated K and V of every layer (Qwen3-30B-A3B: 0.58 ms of a 4.72 ms
 decode step on an H200, in 96 launches) and runs the scores, softmax and product as separate dispatches; the CUDA
 kernel reads each K/V head once for its query group. Runs after ``kv`` (whose static cache the K and V are) and
@@ -159,6 +166,44 @@ def _(m, b):
     return b.op("GroupedAttention", ins, domain=DOMAIN, scale=scale, **guard, dtype=out.dtype, shape=out.shape)
 
 
+@rule("attention-reads-loaded-cache")
+def reads_loaded_cache(op, q, k_past, k_rows, v_past, v_rows, position):
+    """GroupedAttention over KVCacheUpdate(past, rows, position) -> GroupedAttention(Q, past, ..., rows, position)."""
+    keys = op.KVCacheUpdate(k_past, k_rows, position, _domain=DOMAIN, axis=AttrVar("k_axis"), _name="k_write")
+    values = op.KVCacheUpdate(v_past, v_rows, position, _domain=DOMAIN, axis=AttrVar("v_axis"), _name="v_write")
+    return op.GroupedAttention(q, keys, values, _domain=DOMAIN, _allow_other_inputs=True, _name="attn")
+
+
+@reads_loaded_cache.check
+def _(m):
+    attn = m.node("attn")
+    if m.ctx is None or m.ctx.backend != "iree":
+        # ONNX Runtime writes a copy of the cache either way; reading the written one costs nothing more there
+        return m.fail("the cache as loaded plus the new rows pays on IREE only (its writes then happen in place)", attn)
+    if len(attn.inputs) > 4:
+        return m.fail("the attention already reads the cache as loaded", attn)
+    past = m.value("k_past")
+    rank = len(past.shape) if past.shape is not None else 0
+    if rank != 4 or m.attr("k_axis") % 4 != 2 or m.attr("v_axis") % 4 != 2:
+        return m.fail(f"cache writes along axes {m.attr('k_axis')} and {m.attr('v_axis')} of rank {rank}: the "
+                      "positions axis 2 of [B, Hkv, S, D] expected", m.node("k_write"))
+
+
+@reads_loaded_cache.rewrite
+def _(m, b):
+    attn = m.node("attn")
+    out = m.graph.values[m.outputs[0]]
+    mask = attn.inputs[3] if len(attn.inputs) > 3 else ""
+    ins = [m["q"], m["k_past"], m["v_past"], mask, m["k_rows"], m["v_rows"], m["position"]]
+    # the cache writes after every other node: iree-compile then writes the state in place once the step's reads
+    # are done, instead of copying the cache slice each attention reads (BENCHMARKS.md, the stream census)
+    last = max(n.order for n in m.graph.nodes.values())
+    for name in ("k_write", "v_write"):
+        m.node(name).order = last + 1 + m.node(name).order * 1e-9
+    guard = {"nan_rows_zero": attn.attr("nan_rows_zero")} if "nan_rows_zero" in attn.attrs else {}
+    return b.op("GroupedAttention", ins, domain=DOMAIN, scale=attn.attr("scale"), **guard, dtype=out.dtype, shape=out.shape)
+
+
 class Attention(Plugin):
     name = "grouped-attention"
     short = "attention"
@@ -172,7 +217,7 @@ class Attention(Plugin):
 
     @property
     def rules(self):
-        return [grouped_attention]
+        return [grouped_attention, reads_loaded_cache]
 
 
     @property

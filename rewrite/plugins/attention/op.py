@@ -8,6 +8,13 @@ Contract (inputs; float = f32 or f16, one type for all; B batch, T query rows, S
 2. ``V`` float [B, Hkv, S, D]
 3. ``mask`` (optional) float [Bm, Hm, Tm, S], added to the scaled scores; Bm in (1, B), Hm in (1, Hq), Tm in (1, T)
    broadcast (ONNX multidirectional broadcasting); -inf hides a position
+4. ``K_new`` (optional, with 5 and 6) float [B, Hkv, n, D], n <= S: this call's new key rows
+5. ``V_new`` (optional) float [B, Hkv, n, D]
+6. ``position`` (optional) int64, one element ([1] or []): with 4-6 the keys and values read are K and V with rows
+   ``p .. p + n`` replaced by K_new and V_new, ``p = position`` (``position + S`` when negative), exactly
+   ``KVCacheUpdate(K, K_new, position; axis=2)`` (:mod:`rewrite.plugins.kv_cache`): the cache as the step loaded
+   it plus the step's rows, so the cache write itself can come after every read (see the ``attention`` plugin's
+   ``attention-reads-loaded-cache`` rule)
 
 Attributes ``scale`` (float), ``nan_rows_zero`` (int, default 0). Output ``Y`` [B, Hq, T, D]::
 
@@ -39,12 +46,13 @@ import numpy as np
 from onnx import TensorProto
 
 from rewrite.core.abstract_ops import AbstractOp
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, insert_rows_mlir, kernel_bindings
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
+from rewrite.plugins.kv_cache import KV_UPDATE, rows_written_onnx
 
 CUDA_THREADS = 512  #: THREADS in kernels/attention_cuda.cu: 16 warps
 CUDA_HEAD_SIZES = (32, 64, 128, 256)  #: D the kernels are built for (D / 32 elements a lane)
@@ -52,8 +60,9 @@ CUDA_EXECUTABLE = "attention_exec"
 CUDA_KERNELS = [f"grouped_attention_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
 
 
-def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False) -> tuple[int, int, int, int, int, int]:
-    """(B, Hq, Hkv, T, S, D) from the operands' shapes (tuples, None for an unknown dim, ``mask`` None when absent).
+def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False, new=None) -> tuple[int, int, int, int, int, int]:
+    """(B, Hq, Hkv, T, S, D) from the operands' shapes (tuples, None for an unknown dim, ``mask`` None when absent;
+    ``new`` the shapes of K_new and V_new, None when absent).
 
     The mask's last dim must be S: statically the same size or the same symbolic dim. ``lowered``: the shapes are
     an imported operator's types, which have lost the graph's dim names; a dynamic mask S with a dynamic K S is
@@ -61,7 +70,8 @@ def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False) -> tuple[i
 
     Raises:
         ValueError: naming ``where``: ranks other than 4, K and V of different shapes, Hq not a multiple of Hkv,
-            D or B differing (or B unknown on the graph), or a mask that does not broadcast as the contract says."""
+            D or B differing (or B unknown on the graph), a mask that does not broadcast as the contract says, or
+            new rows not of [B, Hkv, n, D] (both alike, n <= S)."""
     if len(q) != 4 or len(k) != 4 or tuple(k) != tuple(v):
         raise ValueError(f"{where}: Q {list(q)}, K {list(k)}, V {list(v)}; expected Q [B, Hq, T, D] and K, V [B, Hkv, S, D]")
     b, hq, t, d = q
@@ -77,6 +87,14 @@ def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False) -> tuple[i
         ok = len(mask) == 4 and fits(mask[0], b) and fits(mask[1], hq) and fits(mask[2], t) and full_s(mask[3])
         if not ok:
             raise ValueError(f"{where}: mask {list(mask)} does not broadcast to [B, Hq, T, S] = {[b, hq, t, s]} (S in full)")
+    if new is not None:
+        kn, vn = new
+        n = kn[2] if len(kn) == 4 else None
+        fits_s = not isinstance(n, int) or not isinstance(s, int) or n <= s
+        if len(kn) != 4 or tuple(kn) != tuple(vn) or kn[1] != hkv or kn[3] != d or not fits_s \
+                or not (kn[0] == k[0] or lowered and (kn[0] is None or k[0] is None)):
+            raise ValueError(f"{where}: new rows K {list(kn)}, V {list(vn)}; expected both [B, Hkv, n, D] = "
+                             f"{[k[0], hkv, 'n', d]} with n <= S = {s}")
     return b, hq, hkv, t, s, d
 
 
@@ -89,12 +107,20 @@ class GroupedAttention(AbstractOp):
     def lowerings(self) -> list[Lowering]:
         return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
-    def reference(self, attrs: dict, q, k, v, mask=None) -> list[np.ndarray]:
+    def reference(self, attrs: dict, q, k, v, mask=None, k_new=None, v_new=None, position=None) -> list[np.ndarray]:
         """numpy float32 evaluation of the contract, each ONNX op's result rounded to Q's dtype; returns [Y].
 
         Raises:
-            ValueError: shapes outside the contract (:func:`check_shapes`)."""
-        check_shapes(q.shape, k.shape, v.shape, None if mask is None else mask.shape, "GroupedAttention")
+            ValueError: shapes outside the contract (:func:`check_shapes`), only some of the new-row inputs, or
+                new rows outside the cache."""
+        news = (k_new, v_new, position)
+        if any(x is not None for x in news) and any(x is None for x in news):
+            raise ValueError("GroupedAttention: K_new, V_new and position go together")
+        check_shapes(q.shape, k.shape, v.shape, None if mask is None else mask.shape, "GroupedAttention",
+                     new=None if k_new is None else (k_new.shape, v_new.shape))
+        if k_new is not None:  # the cache with this call's rows written: KVCacheUpdate's contract
+            k = KV_UPDATE.reference({"axis": 2}, k, k_new, position)[0]
+            v = KV_UPDATE.reference({"axis": 2}, v, v_new, position)[0]
         dt, f32 = q.dtype, np.float32
         g = q.shape[1] // k.shape[1]
         kr, vr = (np.repeat(x, g, axis=1).astype(f32) for x in (k, v))
@@ -128,28 +154,48 @@ class GroupedAttention(AbstractOp):
                         m[0, h, :, :h] = -np.inf
                 ins.append(np.broadcast_to(m, (b, 1, t, s)).copy() if mask == "batch" else m)
             return {"scale": float(d) ** -0.5}, ins
+        def with_new(sample, p, position=None):
+            """The sample's K/V rows p .. p + T given apart (the cache as loaded holds other values there)."""
+            attrs, ins = sample
+            q, k, v = ins[:3]
+            t = q.shape[2]
+            kn, vn = k[:, :, p:p + t].copy(), v[:, :, p:p + t].copy()
+            k[:, :, p:p + t], v[:, :, p:p + t] = rng.standard_normal(kn.shape), rng.standard_normal(vn.shape)
+            mask = ins[3] if len(ins) > 3 else None
+            return attrs, [q, k, v, mask, kn, vn, np.array([p if position is None else position], np.int64)]
+
         guarded = case(1, 4, 2, 2, 8, 32, np.float32)  # a fully hidden row: NaN probabilities, zeroed
         guarded[0]["nan_rows_zero"] = 1
         guarded[1][3][..., 0, :] = -np.inf
         return [guarded, case(1, 8, 2, 1, 24, 32, np.float32, visible=17), case(1, 4, 4, 3, 16, 64, np.float16),
                 case(2, 6, 2, 5, 9, 32, np.float32, mask="batch"), case(1, 4, 1, 2, 40, 128, np.float16, visible=33),
-                case(1, 2, 2, 1, 8, 32, np.float32, mask=None), case(1, 6, 2, 2, 12, 32, np.float16, mask="heads")]
+                case(1, 2, 2, 1, 8, 32, np.float32, mask=None), case(1, 6, 2, 2, 12, 32, np.float16, mask="heads"),
+                # decode and prefill with the new rows apart: mid-cache, a negative position, at slot 0, no mask
+                with_new(case(1, 8, 2, 1, 24, 32, np.float32, visible=17), 16),
+                with_new(case(1, 4, 1, 3, 40, 128, np.float16, visible=33), 30, position=-10),
+                with_new(case(2, 6, 2, 2, 9, 32, np.float32, mask=None), 0)]
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
         """The decomposition of the contract: ``MatMul(Q, Transpose(K')) -> Mul(scale) -> [Add(mask)] -> Softmax ->
-        MatMul(., V')`` with ``K' = Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` when G > 1."""
+        MatMul(., V')`` with ``K' = Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` when G > 1;
+        with new rows, K and V first get them as KVCacheUpdate's ONNX Runtime lowering writes them (ScatterND)."""
         q, k, v = node.inputs[:3]
         mask = node.inputs[3] if len(node.inputs) > 3 else ""
+        new = [x for x in node.inputs[4:7] if x]
         qv, kv = graph.values[q], graph.values[k]
         dt = qv.dtype
         try:
+            if len(new) not in (0, 3):
+                raise ValueError(f"GroupedAttention node {node.describe()}: K_new, V_new and position go together")
             _, hq, hkv, _, _, d = check_shapes(qv.shape, kv.shape, graph.values[v].shape,
                                                graph.values[mask].shape if mask else None, f"GroupedAttention node {node.describe()}",
-                                               lowered=True)
+                                               lowered=True, new=(graph.values[new[0]].shape, graph.values[new[1]].shape) if new else None)
         except ValueError as e:
             raise BackendError(str(e)) from None
         b = Builder(graph, "lower/GroupedAttention", node.order, node.name)
+        if new:
+            k, v = (rows_written_onnx(graph, b, past, rows, new[2], 2) for past, rows in ((k, new[0]), (v, new[1])))
         i64 = lambda vals, name: b.const(np.asarray(vals, np.int64), name)  # noqa: E731
         np_dt = np.float16 if dt == TensorProto.FLOAT16 else np.float32
 
@@ -188,9 +234,9 @@ class GroupedAttention(AbstractOp):
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One dispatch of ``kernels/attention_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``grouped_attention_<el>_d<D>``
-        on (Hq, T, B) workgroups of 512 threads (the kernel source's header). Bindings Q, K, V, mask (a dummy when
-        absent), Y; push constants T, S, Hq, Hkv, the mask's strides over B, heads and T (0 where it broadcasts),
-        has_mask, and the scale's float32 bits (i32).
+        on (Hq, T, B) workgroups of 512 threads (the kernel source's header). Bindings Q, K, V, mask, K_new, V_new,
+        position (dummies when absent), Y; push constants T, S, Hq, Hkv, the mask's strides over B, heads and T (0
+        where it broadcasts), has_mask, the scale's float32 bits (i32) and the number of new rows (0 without).
 
         Raises:
             BackendError: a target other than cuda, D not in :data:`CUDA_HEAD_SIZES`, or operands outside the
@@ -215,9 +261,18 @@ class GroupedAttention(AbstractOp):
         body += t.mask_strides()
         mask_arg = "%in3" if t.mask is not None else "%dummy"
         mask_type = (t.mask.builtin + dims(3, t.mask)) if t.mask is not None else f"tensor<1x{t.el}>"
+        if t.new:  # the new rows: K_new and V_new, the position, and n (their dim 2) as a push constant
+            kn, vn, pos = t.new
+            new_args = "%in4, %in5, %in6"
+            new_types = f"{kn.builtin}{dims(4, kn)}, {vn.builtin}{dims(5, vn)}, {pos.builtin}"
+            body += _size(op, 4, 2, "%nn") + "\n    %n32 = arith.index_cast %nn : index to i32\n"
+        else:
+            new_args, new_types = "%dummy, %dummy, %nopos", f"tensor<1x{t.el}>, tensor<1x{t.el}>, tensor<1xi64>"
+            body += "    %n32 = arith.constant 0 : i32\n"
         body += f"""    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
-    %y = flow.dispatch @{CUDA_EXECUTABLE}::@{kernel}[%gx, %gy, %gz](%in0, %in1, %in2, {mask_arg}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32) :
-        ({t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, i32, i32, i32, i32, i32, i32, i32, i32, i32)
+    %nopos = arith.constant dense<0> : tensor<1xi64>
+    %y = flow.dispatch @{CUDA_EXECUTABLE}::@{kernel}[%gx, %gy, %gz](%in0, %in1, %in2, {mask_arg}, {new_args}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32, %n32) :
+        ({t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, {new_types}, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32)
         -> {t.q.builtin}{dims(0, t.q)}
     %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}
 """
@@ -244,18 +299,36 @@ class _Operands:
         BackendError: operands outside the contract, or a dynamic Hq, Hkv or D."""
 
     def __init__(self, op: TorchOperator):
-        self.q, self.k, self.v = op.operand_types[:3]
-        self.mask = op.operand_types[3] if len(op.operand_types) > 3 and op.operand_types[3].element != "none" else None
+        types = op.operand_types
+        self.q, self.k, self.v = types[:3]
+        self.mask = types[3] if len(types) > 3 and types[3].element != "none" else None
+        #: (K_new, V_new, position) types, or () when the op has no new rows
+        self.new = tuple(types[4:7]) if len(types) > 4 and any(x.element != "none" for x in types[4:7]) else ()
         try:
+            if self.new and any(x.element == "none" for x in self.new):
+                raise ValueError(f"GroupedAttention {op.where}: K_new, V_new and position go together")
             _, hq, hkv, _, _, d = check_shapes(self.q.dims, self.k.dims, self.v.dims, None if self.mask is None else self.mask.dims,
-                                               f"GroupedAttention {op.where}", lowered=True)
+                                               f"GroupedAttention {op.where}", lowered=True,
+                                               new=(self.new[0].dims, self.new[1].dims) if self.new else None)
         except ValueError as e:
             raise BackendError(str(e)) from None
-        if d is None or any(t.element != self.q.element for t in (self.k, self.v, self.mask) if t is not None):
+        if d is None or any(t.element != self.q.element for t in (self.k, self.v, self.mask, *self.new[:2]) if t is not None):
             raise BackendError(f"GroupedAttention {op.where}: Q {self.q.text}, K {self.k.text}: a static head size and one "
                                "element type expected")
         self.hq, self.hkv, self.d, self.g = hq, hkv, d, hq // hkv
         self.el = self.q.builtin_element
+        # the keys and values the core reads: the operands, or (with new rows) the cache with them written
+        self.keys, self.values = ("%kw", "%vw") if self.new else ("%in1", "%in2")
+
+    def written_rows(self, op: TorchOperator) -> list[str]:
+        """With new rows: MLIR defining ``%kw`` and ``%vw``, K and V with rows ``p .. p + n`` replaced (the
+        KVCacheUpdate contract, :func:`insert_rows_mlir`); else nothing."""
+        if not self.new:
+            return []
+        seq = self.k.dims[2] if self.k.dims[2] is not None else "%in1_d2"
+        kn, vn, pos = self.new
+        return [insert_rows_mlir("kw", "%in1", self.k.builtin, [], "%in4", kn, "%in6", pos, seq, 2, "%kw"),
+                insert_rows_mlir("vw", "%in2", self.v.builtin, [], "%in5", vn, "%in6", pos, seq, 2, "%vw")]
 
     def mask_strides(self) -> str:
         """MLIR defining the mask's element strides ``%msb``, ``%msh``, ``%mst`` (i32) over B, heads and T: 0 where
@@ -295,7 +368,8 @@ class _Linalg:
                  f"    %qc = tensor.cast %in0 : {t.q.builtin} to tensor<?x{t.hq}x?x{d}x{el}>",
                  f"    %q5 = tensor.expand_shape %qc [[0], [1, 2], [3], [4]] output_shape [%b, {hkv}, {g}, %t, {d}] : "
                  f"tensor<?x{t.hq}x?x{d}x{el}> into {q5}",
-                 f"    %kc = tensor.cast %in1 : {t.k.builtin} to {kt}", f"    %vc = tensor.cast %in2 : {t.v.builtin} to {kt}",
+                 *t.written_rows(op),
+                 f"    %kc = tensor.cast {t.keys} : {t.k.builtin} to {kt}", f"    %vc = tensor.cast {t.values} : {t.v.builtin} to {kt}",
                  "    %zero = arith.constant 0.0 : f32", "    %ninf = arith.constant 0xFF800000 : f32",
                  f"    %scale = arith.constant {_f32_literal(float(op.attrs['scale']), el)} : f32"]
         ext = lambda v: f"%{v}f = arith.extf %{v} : f16 to f32\n      " if f16 else ""  # noqa: E731
@@ -428,14 +502,14 @@ def _f32_literal(v: float, el: str) -> str:
 
 
 def _cuda_executable(obj: str) -> str:
-    """The ``hal.executable.source`` declaring every kernel of the PTX (:data:`CUDA_KERNELS`): 4 bindings read (Q,
-    K, V, mask), 1 written (Y); 9 i32 push constants; workgroups of CUDA_THREADS threads on the (x, y, z) grid the
-    dispatch's workload gives."""
+    """The ``hal.executable.source`` declaring every kernel of the PTX (:data:`CUDA_KERNELS`): 7 bindings read (Q,
+    K, V, mask, K_new, V_new, position), 1 written (Y); 10 i32 push constants; workgroups of CUDA_THREADS threads
+    on the (x, y, z) grid the dispatch's workload gives."""
     exports = []
     for ordinal, kernel in enumerate(CUDA_KERNELS):
         exports.append(
             f"    hal.executable.export public @{kernel} ordinal({ordinal})\n"
-            f"        layout(#hal.pipeline.layout<constants = 9, bindings = [{kernel_bindings(4, 1)}]>)\n"
+            f"        layout(#hal.pipeline.layout<constants = 10, bindings = [{kernel_bindings(7, 1)}]>)\n"
             f"        count(%device: !hal.device, %gx: index, %gy: index, %gz: index) -> (index, index, index) {{\n"
             f"      hal.return %gx, %gy, %gz : index, index, index\n"
             f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>")

@@ -1,12 +1,13 @@
 """``densemm``: a MatMul by a large constant float weight becomes ``ai.rewrite::DenseMatMul``.
 
-Matches ``MatMul(A, W)`` with ``W`` a float initializer ``[K, N]`` of at least :data:`MIN_ELEMENTS` elements read by
-that MatMul only (a tied embedding is left alone: its transposed copy would double its bytes), and A of A's own float type (f32/f16), of rank 2 or more ending in K: the LM head of a model whose
+Matches ``MatMul(A, W)`` with ``W`` a float initializer ``[K, N]`` of at least :data:`MIN_ELEMENTS` elements, or of
+one column (N = 1: Qwen1.5-MoE's sigmoid gate of the shared expert, [2048, 1]), read by that MatMul only (a tied embedding is left alone: its transposed copy would double its bytes), and A of A's own float type (f32/f16), of rank 2 or more ending in K: the LM head of a model whose
 other weights ``quant4`` made INT4 (``matmul4``), or every projection of a float model. The op keeps the weight
 transposed, ``[N, K]``, rows along K. Contract and lowerings: :mod:`rewrite.plugins.densemm.op`.
 
 Why: on IREE's cuda target the op's kernel reads each weight byte once per decode step; iree-compile 3.13 runs
-the LM head MatMul of Qwen1.5-MoE at 230 GB/s on an H200 (BENCHMARKS.md, "Full-size decode on the H200"). Runs
+the LM head MatMul of Qwen1.5-MoE at 230 GB/s on an H200, and its one-column shared-expert gate in 11 us a call
+(BENCHMARKS.md, "Full-size decode on the H200"), where one warp reads the 4 KB in a few. Runs
 after ``quant4`` (which quantizes what it can first), ``topk`` and ``moe`` (which read the router's MatMul).
 """
 
@@ -39,8 +40,8 @@ def _(m):
         return m.fail(f"B '{m['w']}' is not an initializer", mm)
     if wv.dtype not in _FLOATS or w.ndim != 2:
         return m.fail(f"B '{m['w']}' is {dtype_name(wv.dtype)} of rank {w.ndim}; a float [K, N] weight expected", mm)
-    if w.size < MIN_ELEMENTS:
-        return m.fail(f"B '{m['w']}' has {w.size} elements, fewer than {MIN_ELEMENTS}", mm)
+    if w.size < MIN_ELEMENTS and w.shape[1] != 1:
+        return m.fail(f"B '{m['w']}' has {w.size} elements, fewer than {MIN_ELEMENTS}, in more than one column", mm)
     if av.dtype != wv.dtype:
         return m.fail(f"A is {dtype_name(av.dtype)}, B {dtype_name(wv.dtype)}", mm)
     if av.shape is None or len(av.shape) < 2 or av.shape[-1] not in (w.shape[0], None):
@@ -63,7 +64,7 @@ class DenseMM(Plugin):
     short = "densemm"
     # quant4 quantizes weights first; topk and moe read the router MatMul (small: never matched, but declared)
     runs_after = ("quant4", "topk", "moe")
-    description = "MatMul by a large constant float weight (the LM head) -> DenseMatMul (a warp per column on CUDA)"
+    description = "MatMul by a large or one-column constant float weight (the LM head, a gate) -> DenseMatMul (a warp per column on CUDA)"
     opset_range = (13, 28)
     kernels = (KernelObject("dense_matmul_f32/f16", "iree", "cuda", "kernels/densemm_cuda.cu"),)
 

@@ -1,5 +1,5 @@
 """Conformance cases of the ``densemm`` plugin: an LM-head-like MatMul by a large float weight (f32, f16, a
-leading batch dim), and weights it must leave alone (small, shared with a Gather, computed)."""
+leading batch dim), a one-column gate, and weights it must leave alone (small, shared with a Gather, computed)."""
 
 from __future__ import annotations
 
@@ -36,5 +36,6 @@ def densemm_cases() -> list:
         positive("lm-head-f16-batch-dim", lambda: head(dtype=TensorProto.FLOAT16, k=128, n=MIN_ELEMENTS // 128, rank=3),
                  matches=1, rtol=1e-2),
         negative("small-weight", lambda: head(n=MIN_ELEMENTS // 64 - 1)),
+        positive("one-column-gate-f16", lambda: head(dtype=TensorProto.FLOAT16, k=2048, n=1, rank=3), matches=1, rtol=1e-2),
         negative("tied-embedding", lambda: head(tied=True)),
     ]

@@ -1,12 +1,15 @@
 // GroupedAttention CUDA kernel for IREE's cuda target (extern dispatch; PTX for sm_80, which sm_90 runs).
 //
 // IREE CUDA dispatch ABI (samples/custom_dispatch/cuda/kernels in IREE): the bindings' base pointers in binding
-// order (q, k, v, mask, y), then each push constant as a 32-bit integer: T, S, Hq, Hkv, msb, msh, mst, has_mask,
-// scale_bits.
+// order (q, k, v, mask, k_new, v_new, position, y), then each push constant as a 32-bit integer: T, S, Hq, Hkv,
+// msb, msh, mst, has_mask, scale_bits, n_new.
 // Layouts: the contract of ai.rewrite::GroupedAttention (rewrite/plugins/attention/op.py), row-major:
 //   q [B, Hq, T, D], k and v [B, Hkv, S, D], y [B, Hq, T, D], one float type (f32 or f16); mask (when has_mask)
 //   the same type, element (b, h, t, s) at b * msb + h * msh + t * mst + s (a stride is 0 where the mask
-//   broadcasts); query head h reads K/V head h / (Hq / Hkv).
+//   broadcasts); query head h reads K/V head h / (Hq / Hkv). With n_new > 0, k_new and v_new [B, Hkv, n_new, D]
+//   replace the cache's rows p .. p + n_new (p = position[0] as int64, + S when negative, clamped to
+//   [0, S - n_new] as the KVCacheUpdate lowering clamps): the cache as the step loaded it plus the step's rows,
+//   read before the step writes them.
 //   y[b, h, t] = softmax_s(round(round(q . k_s) * scale) + mask[b, h, t, s]) . v, the scores rounded to the
 //   type as the ONNX MatMul and Mul they replace; the softmax and the product with V in float32 (online
 //   softmax, seed 000's flash decode), y rounded once.
@@ -53,8 +56,9 @@ __device__ __forceinline__ void load_row(const __half* p, float* out) {
 }
 
 template <typename T, int D>
-__device__ void grouped_attention(const T* q, const T* k, const T* v, const T* mask, T* y, int Tq, int S, int Hq,
-                                  int Hkv, int msb, int msh, int mst, int has_mask, float scale) {
+__device__ void grouped_attention(const T* q, const T* k, const T* v, const T* mask, const T* k_new, const T* v_new,
+                                  const int64_t* position, T* y, int Tq, int S, int Hq, int Hkv, int msb, int msh,
+                                  int mst, int has_mask, float scale, int n_new) {
   constexpr int DL = D / 32;
   __shared__ float sh_m[WARPS], sh_l[WARPS];
   __shared__ float sh_acc[WARPS][D];
@@ -70,6 +74,13 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
   const T* kb = k + (size_t)(b * Hkv + kvh) * S * D + lane * DL;
   const T* vb = v + (size_t)(b * Hkv + kvh) * S * D + lane * DL;
   const T* mrow = has_mask ? mask + (size_t)b * msb + (size_t)h * msh + (size_t)t * mst : nullptr;
+  int p = 0;  // the first of the new rows' positions
+  if (n_new > 0) {
+    const int64_t p0 = position[0] < 0 ? position[0] + S : position[0];
+    p = (int)max((int64_t)0, min(p0, (int64_t)(S - n_new)));
+  }
+  const T* knb = k_new + (size_t)(b * Hkv + kvh) * n_new * D + lane * DL;
+  const T* vnb = v_new + (size_t)(b * Hkv + kvh) * n_new * D + lane * DL;
 
   for (int base = warp; base < S; base += WARPS * 32) {  // 32 positions of this warp: base + WARPS * i
     const int mine = base + WARPS * lane;
@@ -87,9 +98,10 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         if (u < n) {
-          const size_t s = (size_t)(base + WARPS * lanes[u]) * D;
-          load_row<DL>(kb + s, kr[u]);
-          load_row<DL>(vb + s, vr[u]);
+          const int s = base + WARPS * lanes[u];
+          const unsigned r = (unsigned)(s - p);  // a new row when r < n_new
+          load_row<DL>(r < (unsigned)n_new ? knb + (size_t)r * D : kb + (size_t)s * D, kr[u]);
+          load_row<DL>(r < (unsigned)n_new ? vnb + (size_t)r * D : vb + (size_t)s * D, vr[u]);
         }
       }
 #pragma unroll
@@ -131,12 +143,13 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
   }
 }
 
-#define CONSTS int Tq, int S, int Hq, int Hkv, int msb, int msh, int mst, int has_mask, int scale_bits
-#define KERNEL(T, el, D)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(THREADS)                                                  \
-      grouped_attention_##el##_d##D(const T* q, const T* k, const T* v, const T* mask, T* y, CONSTS) {    \
-    grouped_attention<T, D>(q, k, v, mask, y, Tq, S, Hq, Hkv, msb, msh, mst, has_mask,                    \
-                            __int_as_float(scale_bits));                                                  \
+#define CONSTS int Tq, int S, int Hq, int Hkv, int msb, int msh, int mst, int has_mask, int scale_bits, int n_new
+#define KERNEL(T, el, D)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(THREADS) grouped_attention_##el##_d##D(                     \
+      const T* q, const T* k, const T* v, const T* mask, const T* k_new, const T* v_new,                   \
+      const int64_t* position, T* y, CONSTS) {                                                            \
+    grouped_attention<T, D>(q, k, v, mask, k_new, v_new, position, y, Tq, S, Hq, Hkv, msb, msh, mst,       \
+                            has_mask, __int_as_float(scale_bits), n_new);                                 \
   }
 
 KERNEL(__half, f16, 32)

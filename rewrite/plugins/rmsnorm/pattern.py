@@ -1,0 +1,46 @@
+"""The RMSNorm subgraph as exporters write it, shared by the ``rmsnorm`` and ``rope`` rules."""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from rewrite.core.ir import dtype_name
+from rewrite.core.pattern import AttrVar, Const, Or, Var
+
+
+def rms_norm(op, x0):
+    """transformers' RMSNorm over the last axis, as its exporters and the seed form write it: ``[Cast(float32)] ->
+    Pow 2 (or Mul(x, x)) -> ReduceMean(-1, keepdims) -> Add eps -> Sqrt -> Div (or Reciprocal, Mul) -> [Cast back] ->
+    Mul weight``. Binds ``weight``, ``eps`` and the nodes ``norm_*`` (``norm_weight`` the last)."""
+    xf = Or([op.Cast(x0, to=TensorProto.FLOAT, _name="norm_wide"), x0])
+    sq = Or([op.Pow(xf, Const("two", value=2.0), _name="norm_sq"), op.Mul(xf, xf, _name="norm_sq")])
+    # ReduceMean's axes: an input (opset 18) or an attribute (before)
+    mean = Or([op.ReduceMean(sq, Const("norm_axes", value=[-1]), keepdims=1, _name="norm_mean"),
+               op.ReduceMean(sq, axes=AttrVar("norm_axes_attr"), keepdims=1, _name="norm_mean")])
+    root = op.Sqrt(op.Add(mean, Const("eps"), _name="norm_eps"), _name="norm_sqrt")
+    normed = Or([op.Div(xf, root, _name="norm_div"), op.Mul(xf, op.Reciprocal(root, _name="norm_recip"), _name="norm_div")])
+    normed = Or([op.Cast(normed, to=AttrVar("norm_narrow"), _name="norm_back"), normed])
+    return op.Mul(normed, Var("weight"), _name="norm_weight")
+
+
+def norm_refusal(m, x0, last: int):
+    """None when the matched :func:`rms_norm` over X0 (an IR value) is the one the ops take: computed in float32
+    (X0 float32, or float16 between a Cast to float32 and one back), over the last axis (``last``: its index),
+    a scalar constant epsilon and a constant weight [H] of X0's type; else the refusal."""
+    div = m.node("norm_div")
+    wide = m.graph.values[m.node("norm_sq").inputs[0]]
+    if wide.dtype != TensorProto.FLOAT:
+        return m.fail(f"the norm computes in {dtype_name(wide.dtype)}: float32 expected", div)
+    if ("norm_wide" in m) != (x0.dtype != TensorProto.FLOAT) or ("norm_back" in m and m.attr("norm_narrow") != x0.dtype) \
+            or ("norm_back" in m) != ("norm_wide" in m):
+        return m.fail("the norm's Casts do not go to float32 and back to X's type", div)
+    if "norm_axes_attr" in m and list(m.attr("norm_axes_attr")) not in ([-1], [last]):
+        return m.fail(f"the ReduceMean is over axes {m.attr('norm_axes_attr')}, not the last", m.node("norm_mean"))
+    eps = m.const("eps")
+    if eps is None or eps.size != 1:
+        return m.fail(f"the norm's epsilon '{m['eps']}' is not a scalar constant", m.node("norm_eps"))
+    w, wv = m.graph.const(m["weight"]), m.value("weight")
+    h = x0.shape[-1] if x0.shape else None
+    if w is None or wv.dtype != x0.dtype or list(w.shape) != [h]:
+        return m.fail(f"the norm's weight '{m['weight']}' is not a constant [{h}] of X's type", m.node("norm_weight"))
+    return None
