@@ -72,12 +72,12 @@ MAX_SEQ = 256
 #: lowering. "iree-t1": the fused model compiled for one token per call (``--dim seq_len=1``: static shapes let IREE
 #: pick its matrix-vector code for the dense MatMuls, and the step's command buffer is recorded once); its prefill is
 #: one call per prompt token. "iree-t1-nomerge": the same without matmul4's shared-input merge; "iree-t1-norope":
-#: without the rope and rmsnorm plugins (IREE's own norms and RoPE); "iree-t1-noattn": without those and the
+#: without the rope and norm plugins (IREE's own norms and RoPE); "iree-t1-noattn": without those and the
 #: attention plugin (IREE's own lowering of the attention core too).
 CONFIGS = {
-    "iree": ("iree", "quant4,matmul4,densemm,cast,rope,rmsnorm,legalize,expand,kv,attention,topk,moe", ()),
-    "iree-t1": ("iree", "quant4,matmul4,densemm,cast,rope,rmsnorm,legalize,expand,kv,attention,topk,moe", ("--dim", "seq_len=1")),
-    "iree-t1-nomerge": ("iree", "quant4,matmul4,densemm,cast,rope,rmsnorm,legalize,expand,kv,attention,topk,moe",
+    "iree": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe", ()),
+    "iree-t1": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe", ("--dim", "seq_len=1")),
+    "iree-t1-nomerge": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                         ("--dim", "seq_len=1", "--opt", "matmul4.merge=false")),
     "iree-t1-norope": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,attention,topk,moe", ("--dim", "seq_len=1")),
     "iree-t1-noattn": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ("--dim", "seq_len=1")),

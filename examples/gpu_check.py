@@ -59,10 +59,10 @@ CONFIGS = (
     ("iree", "cast,legalize,expand,kv,attention,topk,moe", True),
     ("iree", "quant4,matmul4,cast,legalize,expand,kv,attention,topk,moe", True),
     ("ort", "cast,kv,attention,topk,moe", True),
-    # RoPE (with Qwen3's q/k norms) and the other RMSNorms as one op each: the rope and rmsnorm plugins' CUDA kernels
-    ("iree", "cast,rope,rmsnorm,legalize,expand,kv,attention,topk,moe", True),
-    ("iree", "quant4,matmul4,cast,rope,rmsnorm,legalize,expand,kv,attention,topk,moe", True),
-    ("ort", "cast,rope,rmsnorm,kv,attention,topk,moe", True),
+    # RoPE (with Qwen3's q/k norms) and the other RMSNorms as one op each: the rope and norm plugins' CUDA kernels
+    ("iree", "cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
+    ("iree", "quant4,matmul4,cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
+    ("ort", "cast,rope,norm,kv,attention,topk,moe", True),
 )
 #: plugin sets for the other families (``--families``): the coverage matrix's ``topk,moe`` with a static KV cache
 FAMILY_CONFIGS = (
@@ -163,7 +163,7 @@ def _op_samples() -> tuple:
     from rewrite.plugins.rmsnorm.op import RMSNorm
     from rewrite.plugins.rope.op import RotaryEmbedding
 
-    return (("attention", GroupedAttention()), ("rope", RotaryEmbedding()), ("rmsnorm", RMSNorm()))
+    return (("attention", GroupedAttention()), ("rope", RotaryEmbedding()), ("norm", RMSNorm()))
 
 
 def _op_sample_rows(out: Path, op) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The ``rmsnorm`` plugin on real graphs: every RMSNorm of transformers' tiny Qwen3-MoE export and of the seed form
+"""The ``norm`` plugin on real graphs: every RMSNorm of transformers' tiny Qwen3-MoE export and of the seed form
 becomes one RMSNorm op (Qwen3's per-head q/k norms go to ``rope`` first, which runs before), greedy tokens equal to
 ONNX Runtime on the original on both backends, and on IREE cuda one dispatch per norm (shipped PTX, no GPU)."""
 
@@ -26,9 +26,9 @@ def test_transformers_export_decodes_like_the_original(qwen3_moe_tiny, tmp_path,
     """transformers' Qwen3-MoE export (2 layers): the input and post-attention norms of each layer and the final
     norm (5); the q/k norms are rope's. 16 greedy tokens equal to ONNX Runtime on the original, logits within
     float32 tolerance."""
-    plugins = "cast,rope,rmsnorm,kv,topk,moe" if backend == "ort" else "cast,rope,rmsnorm,legalize,expand,kv,topk,moe"
+    plugins = "cast,rope,norm,kv,topk,moe" if backend == "ort" else "cast,rope,norm,legalize,expand,kv,topk,moe"
     m = apply(qwen3_moe_tiny, tmp_path / backend, plugins=plugins, backend=backend, options={"kv": {"max_seq": 32}})
-    assert _matches(m, "rmsnorm") == 5 and _matches(m, "rope") == 4
+    assert _matches(m, "norm") == 5 and _matches(m, "rope") == 4
     got = Generator(tmp_path / backend).generate(PROMPT, 16)
     ref = Generator.reference(qwen3_moe_tiny).generate(PROMPT, 16)
     assert got.tokens == ref.tokens
@@ -44,12 +44,12 @@ def test_seed_form_fp16_cuda_step(tmp_path):
 
     model, _ = seed_form.build_seed_model("fp16", arch="qwen2_moe")
     path = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
-    m = apply(path, tmp_path / "cpu", plugins="cast,rmsnorm,legalize,expand,kv,topk,moe", backend="iree")
-    assert _matches(m, "rmsnorm") == 5
+    m = apply(path, tmp_path / "cpu", plugins="cast,norm,legalize,expand,kv,topk,moe", backend="iree")
+    assert _matches(m, "norm") == 5
     assert Generator(tmp_path / "cpu").generate(PROMPT, 8).tokens == Generator.reference(path).generate(PROMPT, 8).tokens
     counts = {}
     for name, plugins in (("own", "cast,rope,legalize,expand,kv,attention,topk,moe"),
-                          ("rms", "cast,rope,rmsnorm,legalize,expand,kv,attention,topk,moe")):
+                          ("rms", "cast,rope,norm,legalize,expand,kv,attention,topk,moe")):
         apply(path, tmp_path / name, plugins=plugins, backend="iree", target="cuda", options={"stateful": True},
               dims={"seq_len": 1})
         counts[name] = census(tmp_path / name)

@@ -12,9 +12,10 @@ on IREE cuda, whose kernel lacks it), where ``K'`` and ``V'`` are the K/V heads 
 "2. Self-Attention"), or K and V themselves (Hq = Hkv). Q, K, V [B, H, ., D] f32 or f16, a scalar ``scale``.
 The contract and the lowerings: :mod:`rewrite.plugins.attention.op`.
 
-A second rule, ``attention-reads-loaded-cache`` (``--backend iree`` only), takes a GroupedAttention whose K and V
+A second rule, ``attention-reads-loaded-cache`` (``--backend iree --target cuda`` only), takes a GroupedAttention whose K and V
 are ``kv``'s ``KVCacheUpdate(past, rows, position)`` and gives it ``past`` with the rows apart (inputs ``K_new``,
-``V_new``, ``position``), moving the two cache writes after every other node: each attention then reads the cache
+``V_new``, ``position``; the written caches read by nothing else but graph outputs), moving the two cache writes
+after every other node: each attention then reads the cache
 as the step loaded it, and iree-compile, with every write after every read, writes the state in place instead of
 copying a cache slice per attention (with iree-compile's own RoPE fused into the write, the write would still run
 early: the stateful writes keep their rows' producer apart, ``rewrite.backends.iree_stateful``).
@@ -177,11 +178,19 @@ def reads_loaded_cache(op, q, k_past, k_rows, v_past, v_rows, position):
 @reads_loaded_cache.check
 def _(m):
     attn = m.node("attn")
-    if m.ctx is None or m.ctx.backend != "iree":
-        # ONNX Runtime writes a copy of the cache either way; reading the written one costs nothing more there
-        return m.fail("the cache as loaded plus the new rows pays on IREE only (its writes then happen in place)", attn)
+    if m.ctx is None or (m.ctx.backend, m.ctx.target) != ("iree", "cuda"):
+        # ONNX Runtime writes a copy of the cache either way, and the llvm-cpu lowering inserts the rows into a copy:
+        # reading the written cache costs nothing more there
+        return m.fail("the cache as loaded plus the new rows pays on IREE cuda only (its kernel reads the rows apart; "
+                      "the writes then happen in place)", attn)
     if len(attn.inputs) > 4:
         return m.fail("the attention already reads the cache as loaded", attn)
+    for name in ("k_write", "v_write"):
+        present = m.node(name).outputs[0]
+        others = [c for c in m.graph.consumers(present) if c.op_type != "GroupedAttention"]
+        if others:
+            # a write another node reads cannot be the step's last op: it would stay early, and the gain with it
+            return m.fail(f"the written cache '{present}' is also read by {others[0].describe()}", m.node(name))
     past = m.value("k_past")
     rank = len(past.shape) if past.shape is not None else 0
     if rank != 4 or m.attr("k_axis") % 4 != 2 or m.attr("v_axis") % 4 != 2:

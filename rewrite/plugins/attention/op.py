@@ -264,7 +264,7 @@ class GroupedAttention(AbstractOp):
         if t.new:  # the new rows: K_new and V_new, the position, and n (their dim 2) as a push constant
             kn, vn, pos = t.new
             new_args = "%in4, %in5, %in6"
-            new_types = f"{kn.builtin}{dims(4, kn)}, {vn.builtin}{dims(5, vn)}, {pos.builtin}"
+            new_types = f"{kn.builtin}{dims(4, kn)}, {vn.builtin}{dims(5, vn)}, {pos.builtin}{dims(6, pos)}"
             body += _size(op, 4, 2, "%nn") + "\n    %n32 = arith.index_cast %nn : index to i32\n"
         else:
             new_args, new_types = "%dummy, %dummy, %nopos", f"tensor<1x{t.el}>, tensor<1x{t.el}>, tensor<1xi64>"
@@ -305,7 +305,7 @@ class _Operands:
         #: (K_new, V_new, position) types, or () when the op has no new rows
         self.new = tuple(types[4:7]) if len(types) > 4 and any(x.element != "none" for x in types[4:7]) else ()
         try:
-            if self.new and any(x.element == "none" for x in self.new):
+            if self.new and (len(self.new) != 3 or any(x.element == "none" for x in self.new)):
                 raise ValueError(f"GroupedAttention {op.where}: K_new, V_new and position go together")
             _, hq, hkv, _, _, d = check_shapes(self.q.dims, self.k.dims, self.v.dims, None if self.mask is None else self.mask.dims,
                                                f"GroupedAttention {op.where}", lowered=True,

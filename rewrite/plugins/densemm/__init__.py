@@ -1,7 +1,8 @@
 """``densemm``: a MatMul by a large constant float weight becomes ``ai.rewrite::DenseMatMul``.
 
 Matches ``MatMul(A, W)`` with ``W`` a float initializer ``[K, N]`` of at least :data:`MIN_ELEMENTS` elements, or of
-one column (N = 1: Qwen1.5-MoE's sigmoid gate of the shared expert, [2048, 1]), read by that MatMul only (a tied embedding is left alone: its transposed copy would double its bytes), and A of A's own float type (f32/f16), of rank 2 or more ending in K: the LM head of a model whose
+one column of at least :data:`MIN_GATE_K` rows (N = 1: Qwen1.5-MoE's sigmoid gate of the shared expert, [2048, 1]),
+read by that MatMul only (a tied embedding is left alone: its transposed copy would double its bytes), and A of A's own float type (f32/f16), of rank 2 or more ending in K: the LM head of a model whose
 other weights ``quant4`` made INT4 (``matmul4``), or every projection of a float model. The op keeps the weight
 transposed, ``[N, K]``, rows along K. Contract and lowerings: :mod:`rewrite.plugins.densemm.op`.
 
@@ -20,9 +21,10 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
 from rewrite.core.rules import rule
 from rewrite.plugins.base import KernelObject, Plugin
-from rewrite.plugins.densemm.op import DenseMatMul
+from rewrite.plugins.densemm.op import CUDA_K_MULTIPLE, DenseMatMul
 
 MIN_ELEMENTS = 1 << 20  #: smaller weights (routers, [2048, 60] in Qwen1.5-MoE) stay MatMuls
+MIN_GATE_K = 1024  #: a one-column weight this long or longer is taken too (a gate: iree-compile's matvec is slow)
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 
 
@@ -40,8 +42,11 @@ def _(m):
         return m.fail(f"B '{m['w']}' is not an initializer", mm)
     if wv.dtype not in _FLOATS or w.ndim != 2:
         return m.fail(f"B '{m['w']}' is {dtype_name(wv.dtype)} of rank {w.ndim}; a float [K, N] weight expected", mm)
-    if w.size < MIN_ELEMENTS and w.shape[1] != 1:
-        return m.fail(f"B '{m['w']}' has {w.size} elements, fewer than {MIN_ELEMENTS}, in more than one column", mm)
+    if w.size < MIN_ELEMENTS and (w.shape[1] != 1 or w.shape[0] < MIN_GATE_K):
+        return m.fail(f"B '{m['w']}' [{w.shape[0]}, {w.shape[1]}] has fewer than {MIN_ELEMENTS} elements and is not one "
+                      f"column of at least {MIN_GATE_K}", mm)
+    if m.ctx is not None and (m.ctx.backend, m.ctx.target) == ("iree", "cuda") and w.shape[0] % CUDA_K_MULTIPLE:
+        return m.fail(f"K={w.shape[0]}: the CUDA kernel reads rows in multiples of {CUDA_K_MULTIPLE}", mm)
     if av.dtype != wv.dtype:
         return m.fail(f"A is {dtype_name(av.dtype)}, B {dtype_name(wv.dtype)}", mm)
     if av.shape is None or len(av.shape) < 2 or av.shape[-1] not in (w.shape[0], None):

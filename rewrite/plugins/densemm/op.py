@@ -27,6 +27,7 @@ from rewrite.errors import BackendError
 
 CUDA_THREADS = 256  #: THREADS in kernels/densemm_cuda.cu: 8 warps, one output column each
 CUDA_TOKENS = 8  #: TOKENS in kernels/densemm_cuda.cu: rows of A per workgroup
+CUDA_K_MULTIPLE = 8  #: K the kernel takes: a multiple of this (16-byte loads of f16)
 
 
 class DenseMatMul(AbstractOp):
@@ -106,8 +107,8 @@ class DenseMatMul(AbstractOp):
         if ctx.target != "cuda":
             raise BackendError(f"DenseMatMul CUDA lowering asked for target '{ctx.target}'")
         a, k, n, el = _sizes(op)
-        if k % 8:
-            raise BackendError(f"DenseMatMul on cuda: K={k}; the kernel takes a multiple of 8")
+        if k % CUDA_K_MULTIPLE:
+            raise BackendError(f"DenseMatMul on cuda: K={k}; the kernel takes a multiple of {CUDA_K_MULTIPLE}")
         obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "densemm_cuda.cu"), ctx.cuda_arch))
         name, kernel = f"densemm_exec_{el}", f"dense_matmul_{el}"
         rows, dyn, result = row_count(a, n)

@@ -1,4 +1,4 @@
-"""``rmsnorm``: RMSNorm over the last axis becomes one ``ai.rewrite::RMSNorm``.
+"""``norm``: RMSNorm over the last axis becomes one ``ai.rewrite::RMSNorm``.
 
 Matches transformers' RMSNorm as its exporters and the seed form write it (seed 000 "1. RMSNorm"): ``[Cast(float32)]
 -> Pow(2) -> ReduceMean(-1) -> Add(eps) -> Sqrt -> Div (or Reciprocal and Mul) -> [Cast back] -> Mul(weight [H])``,
@@ -60,7 +60,7 @@ def _(m, b):
 
 class RmsNorm(Plugin):
     name = "rms-norm"
-    short = "rmsnorm"
+    short = "norm"
     # rope takes the per-head norms before RoPE into its own op first; legalize rewrites for IREE what is left
     runs_after = ("cast", "rope")
     runs_before = ("legalize",)

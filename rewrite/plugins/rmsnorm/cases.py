@@ -1,4 +1,4 @@
-"""Conformance cases of the ``rmsnorm`` plugin: transformers' RMSNorm as exporters write it (Pow or Mul for the
+"""Conformance cases of the ``norm`` plugin: transformers' RMSNorm as exporters write it (Pow or Mul for the
 square, Div or Reciprocal and Mul, ReduceMean's axes as an input or, before opset 18, an attribute; f32, and f16
 between Casts to float32 and back), and norms it must leave alone (computed in float16, over another axis)."""
 

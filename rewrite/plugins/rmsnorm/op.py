@@ -11,7 +11,7 @@ Attribute ``epsilon`` (float). Output ``Y`` of X's shape::
                                                                (rounded to X's type)
 
 transformers' RMSNorm of Llama, Qwen and the MoE families (``hidden_states.to(float32)``, the variance, ``rsqrt``,
-``weight * hidden_states.to(input_dtype)``; seed 000 "1. RMSNorm"), as the ``rmsnorm`` rule finds it. The CUDA
+``weight * hidden_states.to(input_dtype)``; seed 000 "1. RMSNorm"), as the ``norm`` plugin's rule finds it. The CUDA
 kernel sums the squares in another order than ONNX Runtime's ReduceMean: within the conformance kit's tolerance,
 not bit for bit.
 

@@ -1,7 +1,8 @@
-"""The RMSNorm subgraph as exporters write it, shared by the ``rmsnorm`` and ``rope`` rules."""
+"""The RMSNorm subgraph as exporters write it, shared by the ``norm`` and ``rope`` rules."""
 
 from __future__ import annotations
 
+import numpy as np
 from onnx import TensorProto
 
 from rewrite.core.ir import dtype_name
@@ -37,8 +38,13 @@ def norm_refusal(m, x0, last: int):
     if "norm_axes_attr" in m and list(m.attr("norm_axes_attr")) not in ([-1], [last]):
         return m.fail(f"the ReduceMean is over axes {m.attr('norm_axes_attr')}, not the last", m.node("norm_mean"))
     eps = m.const("eps")
-    if eps is None or eps.size != 1:
+    if eps is None or eps.size != 1 or eps.ndim > 1:
         return m.fail(f"the norm's epsilon '{m['eps']}' is not a scalar constant", m.node("norm_eps"))
+    if "two" in m and np.asarray(m.const("two")).ndim > 1:  # a [1, 1, 1] exponent would broadcast X up a rank
+        return m.fail(f"the exponent '{m['two']}' has rank {np.asarray(m.const('two')).ndim}", m.node("norm_sq"))
+    out = m.graph.values[m.node("norm_weight").outputs[0]]
+    if out.shape is not None and x0.shape is not None and list(out.shape) != list(x0.shape):
+        return m.fail(f"the norm's output has shape {out.shape}, not X's {x0.shape} (a broadcast)", m.node("norm_weight"))
     w, wv = m.graph.const(m["weight"]), m.value("weight")
     h = x0.shape[-1] if x0.shape else None
     if w is None or wv.dtype != x0.dtype or list(w.shape) != [h]:

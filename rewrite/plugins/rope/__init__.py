@@ -58,7 +58,10 @@ def _halves(m, d: int):
         return m.fail("one half from the Split, the other from a Slice", m.node("split"))
     if "split" in m:
         node = m.node("split")
-        sizes = m.graph.const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else None
+        given = len(node.inputs) > 1 and node.inputs[1]
+        sizes = m.graph.const(node.inputs[1]) if given else None
+        if given and sizes is None:
+            return m.fail(f"the Split's sizes '{node.inputs[1]}' are not a constant", node)
         parts = node.attr("num_outputs")
         if not _last(m.attr("split_axis")) or (sizes is not None and list(np.asarray(sizes).ravel()) != [d // 2, d // 2]) \
                 or (sizes is None and parts not in (None, 2)):
@@ -66,7 +69,10 @@ def _halves(m, d: int):
         return None
     for tag, (start, end) in (("lo", (0, d // 2)), ("hi", (d // 2, d))):
         node = m.node(tag)
-        steps = m.graph.const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
+        given = len(node.inputs) > 4 and node.inputs[4]
+        steps = m.graph.const(node.inputs[4]) if given else None
+        if given and steps is None:
+            return m.fail(f"the Slice's steps '{node.inputs[4]}' are not a constant", node)
         got = [np.asarray(m.const(f"{tag}_{k}")).ravel() for k in ("starts", "ends", "axes")]
         if any(g.size != 1 for g in got) or (steps is not None and list(np.asarray(steps).ravel()) != [1]):
             return m.fail(f"the Slice '{node.name}' takes more than one axis or a step", node)
@@ -88,9 +94,14 @@ def _(m):
     if x.shape is None or cos.shape is None or sin.shape is None:
         return m.fail("X, cos or sin has no inferred shape", add)
     try:
-        _, _, _, d = check_shapes(x.shape, cos.shape, sin.shape, None, f"RoPE at {add.name}")
+        _, h, _, d = check_shapes(x.shape, cos.shape, sin.shape, None, f"RoPE at {add.name}")
     except ValueError as e:
         return m.fail(str(e), add)
+    if not isinstance(h, int):
+        return m.fail(f"X {x.shape}: the head count must be static", add)
+    y = m.graph.values[m.outputs[0]].shape
+    if y is None or len(y) != 4 or any(isinstance(a, int) and isinstance(c, int) and a != c for a, c in zip(y, x.shape)):
+        return m.fail(f"the sum has shape {y}, not X's {x.shape} (cos or sin broadcast it)", add)
     if not _last(m.attr("concat_axis")):
         return m.fail(f"the Concat is along axis {m.attr('concat_axis')}, not the last", m.node("concat"))
     bad = _halves(m, d)
