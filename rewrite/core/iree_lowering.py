@@ -303,3 +303,38 @@ def row_count(a: VTensor, n: int) -> tuple[str, str, str]:
             last = name
     result = "tensor<" + "".join(("?" if d is None else str(d)) + "x" for d in dims) + f"{n}x{a.builtin_element}>"
     return "\n".join(lines), (f"{{{', '.join(dynamic)}}}" if dynamic else ""), result
+
+
+def dispatch_dims(k: int, ty: VTensor) -> str:
+    """The ``{%in<k>_d<axis>, ...}`` list of operand ``k``'s dynamic dims that ``flow.dispatch`` takes after its type
+    ("" when static)."""
+    dyn = [f"%in{k}_d{a}" for a, d in enumerate(ty.dims) if d is None]
+    return "{" + ", ".join(dyn) + "}" if dyn else ""
+
+
+def operand_dim(op: TorchOperator, k: int, axis: int, name: str) -> str:
+    """An MLIR statement defining ``name`` (index) as dim ``axis`` of operand ``k``: a constant, or its dynamic dim
+    ``%in<k>_d<axis>`` (``%c0`` must be defined)."""
+    d = op.operand_types[k].dims[axis]
+    return f"    {name} = arith.constant {d} : index" if d is not None else f"    {name} = arith.addi %in{k}_d{axis}, %c0 : index"
+
+
+def cuda_executable_source(name: str, obj: str, kernels: list[str], read_only: int, written: int, constants: int,
+                           threads: int, grid: int = 3) -> str:
+    """The ``hal.executable.source`` ``@name`` declaring each of ``kernels`` (exports in that order) of the PTX at
+    ``obj``: ``read_only`` then ``written`` bindings (:func:`kernel_bindings`), ``constants`` i32 push constants,
+    workgroups of ``threads`` threads on the grid the dispatch's workload gives (``grid`` 3: its (x, y, z); 1: its x,
+    y = z = 1)."""
+    if grid == 3:
+        count = ("        count(%device: !hal.device, %gx: index, %gy: index, %gz: index) -> (index, index, index) {\n"
+                 "      hal.return %gx, %gy, %gz : index, index, index\n")
+    else:
+        count = ("        count(%device: !hal.device, %gx: index) -> (index, index, index) {\n"
+                 "      %one = arith.constant 1 : index\n      hal.return %gx, %one, %one : index, index, index\n")
+    exports = [f"    hal.executable.export public @{kernel} ordinal({ordinal})\n"
+               f"        layout(#hal.pipeline.layout<constants = {constants}, bindings = [{kernel_bindings(read_only, written)}]>)\n"
+               + count + f"    }} <workgroup_size = [{threads} : index, 1 : index, 1 : index]>"
+               for ordinal, kernel in enumerate(kernels)]
+    return (f"  hal.executable.source private @{name} <objects = <{{\n"
+            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
+            + "\n".join(exports) + "\n  }")

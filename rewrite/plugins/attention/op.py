@@ -46,7 +46,7 @@ import numpy as np
 from onnx import TensorProto
 
 from rewrite.core.abstract_ops import AbstractOp
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, insert_rows_mlir, kernel_bindings
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, dispatch_dims, operand_dim, insert_rows_mlir, cuda_executable_source
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
@@ -250,10 +250,10 @@ class GroupedAttention(AbstractOp):
             raise BackendError(f"GroupedAttention {op.where}: head size D={t.d}; the CUDA kernel takes {CUDA_HEAD_SIZES}")
         obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "attention_cuda.cu"), ctx.cuda_arch))
         kernel = f"grouped_attention_{t.el}_d{t.d}"
-        dims = _dynamic_dims
+        dims = dispatch_dims
         # the grid: Hq, T (Q's dim 2), B (Q's dim 0); S is K's dim 2
         body = "\n".join(["    %c0 = arith.constant 0 : index", f"    %gx = arith.constant {t.hq} : index",
-                          _size(op, 0, 2, "%gy"), _size(op, 0, 0, "%gz"), _size(op, 1, 2, "%s"),
+                          operand_dim(op, 0, 2, "%gy"), operand_dim(op, 0, 0, "%gz"), operand_dim(op, 1, 2, "%s"),
                           "    %t32 = arith.index_cast %gy : index to i32", "    %s32 = arith.index_cast %s : index to i32"]) + "\n"
         scale_bits = struct.unpack("<i", struct.pack("<f", float(op.attrs["scale"])))[0]
         for name, value in (("hq", t.hq), ("hkv", t.hkv), ("has", int(t.mask is not None)), ("scale", scale_bits)):
@@ -265,7 +265,7 @@ class GroupedAttention(AbstractOp):
             kn, vn, pos = t.new
             new_args = "%in4, %in5, %in6"
             new_types = f"{kn.builtin}{dims(4, kn)}, {vn.builtin}{dims(5, vn)}, {pos.builtin}{dims(6, pos)}"
-            body += _size(op, 4, 2, "%nn") + "\n    %n32 = arith.index_cast %nn : index to i32\n"
+            body += operand_dim(op, 4, 2, "%nn") + "\n    %n32 = arith.index_cast %nn : index to i32\n"
         else:
             new_args, new_types = "%dummy, %dummy, %nopos", f"tensor<1x{t.el}>, tensor<1x{t.el}>, tensor<1xi64>"
             body += "    %n32 = arith.constant 0 : i32\n"
@@ -276,20 +276,7 @@ class GroupedAttention(AbstractOp):
         -> {t.q.builtin}{dims(0, t.q)}
     %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}
 """
-        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: _cuda_executable(obj)})
-
-
-def _dynamic_dims(k: int, ty) -> str:
-    """The ``{%in<k>_d<axis>, ...}`` list of operand ``k``'s dynamic dims for ``flow.dispatch`` ("" when static)."""
-    dyn = [f"%in{k}_d{a}" for a, d in enumerate(ty.dims) if d is None]
-    return "{" + ", ".join(dyn) + "}" if dyn else ""
-
-
-def _size(op: TorchOperator, k: int, axis: int, name: str) -> str:
-    """MLIR defining ``name`` (index) as dim ``axis`` of operand ``k``: a constant, or its dynamic dim (``%c0``
-    must be defined)."""
-    d = op.operand_types[k].dims[axis]
-    return f"    {name} = arith.constant {d} : index" if d is not None else f"    {name} = arith.addi %in{k}_d{axis}, %c0 : index"
+        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 7, 1, 10, CUDA_THREADS)})
 
 
 class _Operands:
@@ -364,7 +351,7 @@ class _Linalg:
         s5 = f"tensor<?x{hkv}x{g}x?x?xf32>"
         r4 = f"tensor<?x{hkv}x{g}x?xf32>"
         kt = f"tensor<?x{hkv}x?x{d}x{el}>"
-        lines = ["    %c0 = arith.constant 0 : index", _size(op, 0, 0, "%b"), _size(op, 0, 2, "%t"), _size(op, 1, 2, "%s"),
+        lines = ["    %c0 = arith.constant 0 : index", operand_dim(op, 0, 0, "%b"), operand_dim(op, 0, 2, "%t"), operand_dim(op, 1, 2, "%s"),
                  f"    %qc = tensor.cast %in0 : {t.q.builtin} to tensor<?x{t.hq}x?x{d}x{el}>",
                  f"    %q5 = tensor.expand_shape %qc [[0], [1, 2], [3], [4]] output_shape [%b, {hkv}, {g}, %t, {d}] : "
                  f"tensor<?x{t.hq}x?x{d}x{el}> into {q5}",
@@ -499,20 +486,3 @@ def _f32_literal(v: float, el: str) -> str:
     if el == "f16":
         v = float(np.float16(v))
     return "0x%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
-
-
-def _cuda_executable(obj: str) -> str:
-    """The ``hal.executable.source`` declaring every kernel of the PTX (:data:`CUDA_KERNELS`): 7 bindings read (Q,
-    K, V, mask, K_new, V_new, position), 1 written (Y); 10 i32 push constants; workgroups of CUDA_THREADS threads
-    on the (x, y, z) grid the dispatch's workload gives."""
-    exports = []
-    for ordinal, kernel in enumerate(CUDA_KERNELS):
-        exports.append(
-            f"    hal.executable.export public @{kernel} ordinal({ordinal})\n"
-            f"        layout(#hal.pipeline.layout<constants = 10, bindings = [{kernel_bindings(7, 1)}]>)\n"
-            f"        count(%device: !hal.device, %gx: index, %gy: index, %gz: index) -> (index, index, index) {{\n"
-            f"      hal.return %gx, %gy, %gz : index, index, index\n"
-            f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>")
-    return (f"  hal.executable.source private @{CUDA_EXECUTABLE} <objects = <{{\n"
-            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
-            + "\n".join(exports) + "\n  }")

@@ -29,7 +29,7 @@ import numpy as np
 from onnx import TensorProto
 
 from rewrite.core.abstract_ops import AbstractOp
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, cuda_executable_source
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
@@ -179,7 +179,7 @@ class RMSNorm(AbstractOp):
     %y = flow.dispatch @{CUDA_EXECUTABLE}::@rms_norm_{t.el}[%m](%xr, %in1, %m32, %h32, %eps32) :
         ({rows}{{%m}}, {t.w.builtin}, i32, i32, i32) -> {rows}{{%m}}
 """ + t.rows_result("%y")
-        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: _cuda_executable(obj)})
+        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 2, 1, 3, CUDA_THREADS, grid=1)})
 
 
 class _Operands:
@@ -237,20 +237,3 @@ class _Operands:
                      f"[{', '.join(sizes)}, {h}] : {src} into {x.builtin}")
         lines.append(f"    %out0 = tensor.cast %yo : {x.builtin} to {self.op.result_types[0].builtin}")
         return "\n".join(lines) + "\n"
-
-
-def _cuda_executable(obj: str) -> str:
-    """The ``hal.executable.source`` declaring the PTX's kernels (:data:`CUDA_KERNELS`): 2 bindings read (X,
-    weight), 1 written (Y); 3 i32 push constants; a workgroup of CUDA_THREADS threads per row."""
-    exports = []
-    for ordinal, kernel in enumerate(CUDA_KERNELS):
-        exports.append(
-            f"    hal.executable.export public @{kernel} ordinal({ordinal})\n"
-            f"        layout(#hal.pipeline.layout<constants = 3, bindings = [{kernel_bindings(2, 1)}]>)\n"
-            f"        count(%device: !hal.device, %rows: index) -> (index, index, index) {{\n"
-            f"      %one = arith.constant 1 : index\n"
-            f"      hal.return %rows, %one, %one : index, index, index\n"
-            f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>")
-    return (f"  hal.executable.source private @{CUDA_EXECUTABLE} <objects = <{{\n"
-            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
-            + "\n".join(exports) + "\n  }")

@@ -32,7 +32,7 @@ import numpy as np
 from onnx import TensorProto
 
 from rewrite.core.abstract_ops import AbstractOp
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, dispatch_dims, operand_dim, cuda_executable_source
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
@@ -176,11 +176,11 @@ class RotaryEmbedding(AbstractOp):
             raise BackendError(f"RotaryEmbedding {op.where}: head size D={t.d}; the CUDA kernel takes {CUDA_HEAD_SIZES}")
         obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "rope_cuda.cu"), ctx.cuda_arch))
         kernel = f"rotary_embedding_{t.el}_d{t.d}"
-        dims = _dynamic_dims
+        dims = dispatch_dims
         eps_bits = struct.unpack("<i", struct.pack("<f", float(op.attrs.get("norm_epsilon", 0.0))))[0]
         lines = ["    %c0 = arith.constant 0 : index", "    %c1 = arith.constant 1 : index",
                  f"    %cw = arith.constant {CUDA_WARPS - 1} : index", f"    %cwd = arith.constant {CUDA_WARPS} : index",
-                 _size(op, 0, 0, "%b"), f"    %h = arith.constant {t.h} : index", _size(op, 0, 2, "%t"),
+                 operand_dim(op, 0, 0, "%b"), f"    %h = arith.constant {t.h} : index", operand_dim(op, 0, 2, "%t"),
                  "    %bh = arith.muli %b, %h : index", "    %rows = arith.muli %bh, %t : index",
                  "    %rw = arith.addi %rows, %cw : index", "    %gx = arith.divui %rw, %cwd : index",
                  "    %rows32 = arith.index_cast %rows : index to i32", "    %t32 = arith.index_cast %t : index to i32",
@@ -193,30 +193,17 @@ class RotaryEmbedding(AbstractOp):
         ({t.x.builtin}{dims(0, t.x)}, {t.cos.builtin}{dims(1, t.cos)}, {t.sin.builtin}{dims(2, t.sin)}, {w_type}, i32, i32, i32, i32, i32, i32, i32, i32, i32)
         -> {t.x.builtin}{dims(0, t.x)}
     %out0 = tensor.cast %y : {t.x.builtin} to {op.result_types[0].builtin}""")
-        return IreeLowering(body="\n".join(lines) + "\n", module_items={CUDA_EXECUTABLE: _cuda_executable(obj)})
+        return IreeLowering(body="\n".join(lines) + "\n", module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 4, 1, 9, 32 * CUDA_WARPS, grid=1)})
 
 
 def _table_strides(op: TorchOperator, k: int, tag: str) -> list[str]:
     """MLIR defining ``%{tag}sb32`` and ``%{tag}st32`` (i32), operand ``k``'s (cos or sin, [Bc, 1, Tc, D]) element
     strides over B and T: Tc * D and D, each 0 where that dim is 1 (broadcast; compared at run time when dynamic).
     ``%c0``, ``%c1`` and ``%cd`` (D) must be defined."""
-    return [_size(op, k, 0, f"%{tag}b"), _size(op, k, 2, f"%{tag}t"), f"    %{tag}td = arith.muli %{tag}t, %cd : index",
+    return [operand_dim(op, k, 0, f"%{tag}b"), operand_dim(op, k, 2, f"%{tag}t"), f"    %{tag}td = arith.muli %{tag}t, %cd : index",
             f"    %{tag}b1 = arith.cmpi eq, %{tag}b, %c1 : index", f"    %{tag}sb = arith.select %{tag}b1, %c0, %{tag}td : index",
             f"    %{tag}t1 = arith.cmpi eq, %{tag}t, %c1 : index", f"    %{tag}st = arith.select %{tag}t1, %c0, %cd : index",
             f"    %{tag}sb32 = arith.index_cast %{tag}sb : index to i32", f"    %{tag}st32 = arith.index_cast %{tag}st : index to i32"]
-
-
-def _dynamic_dims(k: int, ty) -> str:
-    """The ``{%in<k>_d<axis>, ...}`` list of operand ``k``'s dynamic dims for ``flow.dispatch`` ("" when static)."""
-    dyn = [f"%in{k}_d{a}" for a, d in enumerate(ty.dims) if d is None]
-    return "{" + ", ".join(dyn) + "}" if dyn else ""
-
-
-def _size(op: TorchOperator, k: int, axis: int, name: str) -> str:
-    """MLIR defining ``name`` (index) as dim ``axis`` of operand ``k``: a constant, or its dynamic dim (``%c0``
-    must be defined)."""
-    d = op.operand_types[k].dims[axis]
-    return f"    {name} = arith.constant {d} : index" if d is not None else f"    {name} = arith.addi %in{k}_d{axis}, %c0 : index"
 
 
 class _Operands:
@@ -256,9 +243,9 @@ class _Linalg:
         half = d // 2
         x4 = f"tensor<?x{h}x?x{d}x{el}>"
         c4 = f"tensor<?x1x?x{d}x{el}>"
-        lines = ["    %c0 = arith.constant 0 : index", "    %c1 = arith.constant 1 : index", _size(op, 0, 0, "%b"),
-                 _size(op, 0, 2, "%t"), _size(op, 1, 0, "%cb"), _size(op, 1, 2, "%ct"), _size(op, 2, 0, "%sb"),
-                 _size(op, 2, 2, "%st"),
+        lines = ["    %c0 = arith.constant 0 : index", "    %c1 = arith.constant 1 : index", operand_dim(op, 0, 0, "%b"),
+                 operand_dim(op, 0, 2, "%t"), operand_dim(op, 1, 0, "%cb"), operand_dim(op, 1, 2, "%ct"), operand_dim(op, 2, 0, "%sb"),
+                 operand_dim(op, 2, 2, "%st"),
                  f"    %x = tensor.cast %in0 : {t.x.builtin} to {x4}", f"    %cs = tensor.cast %in1 : {t.cos.builtin} to {c4}",
                  f"    %sn = tensor.cast %in2 : {t.sin.builtin} to {c4}",
                  "    %cb1 = arith.cmpi eq, %cb, %c1 : index", "    %ct1 = arith.cmpi eq, %ct, %c1 : index",
@@ -340,20 +327,3 @@ class _Linalg:
     }} -> {x4}
     %out0 = tensor.cast %y : {x4} to {op.result_types[0].builtin}""")
         return "\n".join(lines) + "\n"
-
-
-def _cuda_executable(obj: str) -> str:
-    """The ``hal.executable.source`` declaring every kernel of the PTX (:data:`CUDA_KERNELS`): 4 bindings read (X,
-    cos, sin, weight), 1 written (Y); 9 i32 push constants; workgroups of 32 * CUDA_WARPS threads on an x grid."""
-    exports = []
-    for ordinal, kernel in enumerate(CUDA_KERNELS):
-        exports.append(
-            f"    hal.executable.export public @{kernel} ordinal({ordinal})\n"
-            f"        layout(#hal.pipeline.layout<constants = 9, bindings = [{kernel_bindings(4, 1)}]>)\n"
-            f"        count(%device: !hal.device, %gx: index) -> (index, index, index) {{\n"
-            f"      %one = arith.constant 1 : index\n"
-            f"      hal.return %gx, %one, %one : index, index, index\n"
-            f"    }} <workgroup_size = [{32 * CUDA_WARPS} : index, 1 : index, 1 : index]>")
-    return (f"  hal.executable.source private @{CUDA_EXECUTABLE} <objects = <{{\n"
-            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
-            + "\n".join(exports) + "\n  }")
