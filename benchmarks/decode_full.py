@@ -231,23 +231,59 @@ def compare_logits(step, prompt: list[int], ref_tokens: list[int], ref_logits: n
 PROFILE_STEPS = 8
 
 
-def kernel_profile(step, token: int, steps: int = PROFILE_STEPS) -> list[dict]:
+def kernel_profile(step, token: int, steps: int = PROFILE_STEPS) -> tuple[list[dict], dict]:
     """GPU time per decode token of each kernel that ``steps`` more one-token ``step`` calls launch, from CUPTI
     through ``torch.profiler`` (it sees every CUDA context of the process: IREE's and ONNX Runtime's kernels too),
-    largest first: ``{"kernel", "us_per_token", "launches_per_token"}``; empty when the profiler fails."""
+    largest first: ``{"kernel", "us_per_token", "launches_per_token"}``; and the timeline of those steps
+    (:func:`timeline`). Both empty when the profiler fails."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
             for _ in range(steps):
                 logits = step(np.array([[token]], np.int64))
                 token = greedy_token(logits[0, -1])
+            wall = time.perf_counter() - t0
         rows = [{"kernel": e.key, "us_per_token": e.device_time_total / steps, "launches_per_token": e.count / steps}
                 for e in prof.key_averages() if e.device_time_total > 0]
     except Exception as e:  # a profiler that cannot attach must not cost the run's other numbers
         print(f"  profile failed: {type(e).__name__}: {e}", flush=True)
-        return []
-    return sorted(rows, key=lambda r: -r["us_per_token"])
+        return [], {}
+    try:
+        line = timeline(prof, steps, wall)
+    except Exception as e:  # (kineto_results is torch.profiler's internal API)
+        print(f"  timeline failed: {type(e).__name__}: {e}", flush=True)
+        line = {}
+    return sorted(rows, key=lambda r: -r["us_per_token"]), line
+
+
+def timeline(prof, steps: int, wall_s: float) -> dict:
+    """Where a profiled step's time goes, from the GPU activities' start and end times (ns, CUPTI): per token the
+    wall time of the calls (``wall_us``, under the profiler), the time from the first activity's start to the
+    last one's end (``span_us``), the time some activity ran (``busy_us``: the GPU is idle for span - busy), and
+    the gaps between one activity's end and the next one's start (``gap_median_us``, ``gap_p90_us``). A busy
+    time near the span means the GPU is the bound; gaps of microseconds between short kernels mean it waits for
+    the host's launches. Empty when the profiler gives no activity times."""
+    spans = []
+    for e in prof.profiler.kineto_results.events():
+        if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0:
+            spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    if not spans:
+        return {}
+    spans.sort()
+    busy, gaps, (cs, ce) = 0, [], spans[0]
+    for s, e in spans[1:]:
+        if s > ce:
+            busy += ce - cs
+            gaps.append(s - ce)
+            cs, ce = s, e
+        else:
+            ce = max(ce, e)
+    busy += ce - cs
+    gaps = np.array(gaps or [0], np.float64) / 1e3
+    return {"wall_us": wall_s * 1e6 / steps, "span_us": (spans[-1][1] - spans[0][0]) / 1e3 / steps, "busy_us": busy / 1e3 / steps,
+            "gap_median_us": float(np.median(gaps)), "gap_p90_us": float(np.percentile(gaps, 90))}
 
 
 def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | None, width: int | None = None) -> dict:
@@ -264,7 +300,7 @@ def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | No
     del res["logits"]
     res["check_tokens"], res["check_logits"] = check["tokens"], compared
     if profile:
-        res["profile"] = kernel_profile(step, res["tokens"][-1])
+        res["profile"], res["timeline"] = kernel_profile(step, res["tokens"][-1])
     return res
 
 
@@ -468,6 +504,17 @@ def report(work: Path, cfg) -> int:
         prof = r.get("profile") or []
         gpu = f"{sum(k['us_per_token'] for k in prof):13.0f} {sum(k['launches_per_token'] for k in prof):9.0f}" if prof else f"{'':13} {'':9}"
         print(f"{name:<16} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {light} {gpu}  {check}")
+    lines = [(n, r["timeline"]) for n, r in res.items() if r.get("timeline")]
+    if lines:
+        print("per profiled token (CUPTI activity times): wall, GPU span first start to last end, GPU busy, gaps between activities")
+    for name, t in lines:
+        print(f"  {name:<16} wall {t['wall_us']:7.0f} us  span {t['span_us']:7.0f} us  busy {t['busy_us']:7.0f} us  "
+              f"gap median {t['gap_median_us']:5.1f} us, p90 {t['gap_p90_us']:5.1f} us")
+    others = [n for n in ("iree-plain", "ort", "torch") if n in res]
+    for name in (n for n in CONFIGS if n in res and n.startswith("iree") and n != "iree-plain"):
+        if others:
+            ratios = ", ".join(f"{res[name]['decode_tok_s'] / res[o]['decode_tok_s']:.1f}x {o}" for o in others)
+            print(f"decode {name}: {ratios} (measured in this run)")
     return status
 
 

@@ -92,6 +92,10 @@ def test_cuda_lowering_compiles(tmp_path):
     assert len(re.findall(rf"flow\.dispatch @attention_exec::@grouped_attention_f16_d{d}\[", mlir)) == 2
     assert any(k.startswith("kernels/attention_cuda-") for k in m.kernel_objects)
     assert (tmp_path / "cuda" / "model.vmfb").stat().st_size > 0
+    # the 4 cache writes (K and V of 2 layers, consecutive slots of one global) are one state-rows dispatch
+    assert len(re.findall(r"flow\.dispatch @rewrite_state_rows_m4::@state_rows_m4\[", mlir)) == 1
+    assert "call @rewrite_kv_state_write_" not in mlir and mlir.count("call @rewrite_kv_state_rows_") == 1
+    assert any(k.startswith("kernels/state_rows_cuda-") for k in m.kernel_objects)
     (state,) = m.state
     slot_bytes = int(np.prod(state["shape"][1:])) * 2  # one cache (K or V of a layer), f16
     counts = census(tmp_path / "cuda")

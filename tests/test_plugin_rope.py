@@ -65,8 +65,8 @@ def test_seed_form_fp16_on_iree(tmp_path, arch, inputs):
 @pytest.mark.slow
 def test_cuda_step_launches(tmp_path):
     """iree --target cuda, the stateful one-token step of the fp16 Qwen3 seed form: one dispatch of the shipped
-    kernel per rotated tensor, and 10 fewer dispatches per layer than iree-compile 3.13 makes of the q/k norms and
-    RoPE with its own projections (with the full model's INT4 projections, 6 fewer: BENCHMARKS.md)."""
+    kernel per layer (Q and K paired by rotary-embedding-pair), and 11 fewer dispatches per layer than
+    iree-compile 3.13 makes of the q/k norms and RoPE with its own projections."""
     import seed_form
 
     model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
@@ -78,9 +78,10 @@ def test_cuda_step_launches(tmp_path):
               dims={"seq_len": 1})
         counts[name] = census(tmp_path / name)
     mlir = (tmp_path / "rope" / "model.mlir").read_text()
-    assert len(re.findall(r"flow\.dispatch @rope_exec::@rotary_embedding_f16_d\d+\[", mlir)) == 4
     layers = seed_form.seed_config("fp16", arch="qwen3_moe").layers
-    assert counts["own"]["dispatches"] - counts["rope"]["dispatches"] == 10 * layers
+    assert len(re.findall(r"flow\.dispatch @rope2_exec::@rotary_embedding2_f16_d\d+\[", mlir)) == layers
+    assert "@rope_exec::" not in mlir
+    assert counts["own"]["dispatches"] - counts["rope"]["dispatches"] == 11 * layers
 
 
 def test_cuda_target_refuses_head_sizes_the_kernel_lacks(tmp_path):

@@ -165,6 +165,33 @@ def test_a_deep_decoder_keeps_its_cache_in_several_globals(tmp_path):
             np.testing.assert_allclose(state[s["name"]][k][:, :, :written], r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
 
 
+@pytest.mark.slow
+def test_a_deep_decoder_writes_its_cache_rows_in_few_dispatches_on_cuda(tmp_path):
+    """On CUDA, with the attention reading the new rows apart from the cache as loaded, the row writes of up to 14
+    consecutive slots of a global are one dispatch of the state-rows kernel (IREE's CUDA driver takes 16 bindings:
+    the rows, the position and the global): 34 caches in globals of 18 and 16 slots are written by 4 dispatches
+    (14 + 4, 14 + 2), in place (no copy of a global), and no scatter is left. Compiled, not run."""
+    import re
+
+    import seed_form
+    from rewrite.backends.iree_census import census
+
+    model, _ = seed_form.build_seed_model("fp16", layers=17, hidden=64, heads=2, kv_heads=2, head_dim=32, experts=4,
+                                          top_k=2, moe_intermediate=64, shared_intermediate=64, vocab=160, max_seq=16,
+                                          block_size=32)
+    path = seed_form.save_seed_model(model, tmp_path / "deep.onnx")
+    m = apply(path, tmp_path / "cuda", plugins="cast,rope,legalize,topk,expand,kv,attention", backend="iree", target="cuda",
+              options={"stateful": True}, dims={"seq_len": 1})
+    assert [s["shape"][0] for s in m.state] == [18, 16]
+    mlir = (tmp_path / "cuda" / "model.mlir").read_text()
+    calls = re.findall(r"call @rewrite_kv_state_rows_\d+\(", mlir)
+    kernels = sorted(int(x) for x in re.findall(r"flow\.dispatch @rewrite_state_rows_m(\d+)::", mlir))
+    assert len(calls) == 4 and kernels == [2, 4, 14, 14]
+    assert "call @rewrite_kv_state_write_" not in mlir
+    counts = census(tmp_path / "cuda")
+    assert counts["copy_bytes"] < int(np.prod(m.state[0]["shape"][1:])) * 2  # less than one cache: no global copied
+
+
 def test_a_static_decode_step_records_its_command_buffer_once(models, tmp_path):
     """With one token per call (static shapes), the step's command buffer is recorded once at module load and
     replayed (iree-compile's memoization): the KV cache write reads the position on the device (no host readback

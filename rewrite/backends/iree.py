@@ -221,15 +221,16 @@ class IreeBackend:
         if missing:
             raise BackendError(f"no IREE lowering for {manifest.target} registered for abstract op(s) {', '.join(missing)}")
         mod = MlirModule(res.mlir_path.read_text(), str(res.mlir_path))
+        ctx = PatchContext(folder=folder, target=manifest.target, cuda_arch=sm)
         if used:
-            ctx = PatchContext(folder=folder, target=manifest.target, cuda_arch=sm)
             patch_module(mod, {t: lowerings[t] for t in used}, ctx)
             left = unlowered_ops(mod, used)
             if left:
                 raise BackendError(f"abstract op(s) {', '.join(left)} left in {res.mlir_path} after lowering")
-            manifest.kernel_objects = list(ctx._kernel_objects)
         if options.get("stateful"):
-            make_module_stateful(mod, res.entry_function, manifest, graph)
+            make_module_stateful(mod, res.entry_function, manifest, graph, ctx)
+        if ctx._kernel_objects:
+            manifest.kernel_objects = list(ctx._kernel_objects)
         if used or options.get("stateful"):
             mod.verify(f"{res.mlir_path} after the lowerings{' and --stateful' if options.get('stateful') else ''}")
             res.mlir_path.write_text(mod.text())

@@ -25,6 +25,10 @@ it adds is a set of small private functions, parsed in the module's context, tha
   (``@rewrite_kv_state_put_<k>``, ``tensor.insert_slice``). Each global is stored once before the return
   (``util.global.store``; load and store are the entry function's own ops: iree-compile's torch conversion
   refuses a ``util.global.store`` in a private function);
+* on CUDA, when the step reads the new rows apart from the cache as loaded (the ``attention`` plugin), the writes of
+  up to :data:`MAX_ROWS_PER_WRITE` consecutive slots of one global are one dispatch of ``kernels/state_rows_cuda.cu``
+  (``@rewrite_kv_state_rows_<c>``, the global tied in place) instead of an ``iree_linalg_ext.scatter`` each: a
+  decode step of Qwen3-30B-A3B launched 96 scatters, one per K and V cache;
 * per global a public getter returns it (``@rewrite_kv_state_get``, ``@rewrite_kv_state_<j>_get``; for
   tests and tools).
 
@@ -35,12 +39,16 @@ The function then takes the remaining inputs (token ids, position) and returns t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
 
 from iree.compiler import ir
 from iree.compiler.dialects import func, util
 
 from rewrite.backends.mlir import MlirModule
-from rewrite.core.iree_lowering import VTensor, insert_rows_mlir
+from rewrite.core.iree_lowering import PatchContext, VTensor, cuda_executable_source, insert_rows_mlir
+from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.interface import cache_pairs
 from rewrite.errors import BackendError
 
@@ -48,6 +56,14 @@ STATE_GLOBAL = "rewrite_kv_state"  #: the first group's global; group j > 0: ``r
 _HELPER = "rewrite_kv_state_"  #: prefix of the private helper functions
 KV_UPDATE_CALL = "rewrite_KVCacheUpdate_"  #: the patched KVCacheUpdate wrappers (rewrite.backends.iree_patch)
 MAX_SLOTS_PER_GLOBAL = 32  #: caches per global; 48 still compile on iree-compile 3.13, 60 do not (module docstring)
+#: cache slots one state-rows dispatch writes: IREE 3.13's CUDA driver takes at most 16 bindings a dispatch
+#: (IREE_HAL_CUDA_MAX_DISPATCH_BINDING_COUNT), here the position, the rows of each slot and the global
+MAX_ROWS_PER_WRITE = 14
+MAX_GRID_Y = 65535  #: CUDA's largest grid y: a state-rows dispatch takes one workgroup per updated row there
+ROWS_EXECUTABLE = "rewrite_state_rows"  #: ``hal.executable.source`` of the state-rows kernel for M slots: ``..._m<M>``
+ROWS_THREADS = 128  #: threads of a state-rows workgroup (``__launch_bounds__`` in kernels/state_rows_cuda.cu)
+#: 16-bit words per element of the cache types the state-rows kernel moves (it copies words)
+_WORDS = {"f16": 1, "bf16": 1, "i16": 1, "f32": 2, "i32": 2, "f64": 4, "i64": 4}
 
 
 def global_name(group: int) -> str:
@@ -135,7 +151,8 @@ class _Slot:
 
 def make_stateful(mod: MlirModule, function: str, input_names: list[str], output_names: list[str],
                   pairs: list[tuple[str, str]], onnx_dtype: str, axis: int | None = None,
-                  max_slots: int = MAX_SLOTS_PER_GLOBAL, rows_apart: bool = False) -> list[StateSpec]:
+                  max_slots: int = MAX_SLOTS_PER_GLOBAL, rows_apart: bool = False,
+                  rows_object: Callable[[], str] | None = None) -> list[StateSpec]:
     """Move the cache tensors of ``pairs`` ((input name, output name), in slot order) into module state, in place.
 
     ``input_names``/``output_names``: the entry function's arguments/results in order (graph inputs, graph
@@ -143,6 +160,9 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
     ``max_slots`` (:func:`group_sizes`). When ``axis`` is given, a present that is
     ``KVCacheUpdate(past, update, position)`` of its own past is written as its new rows only (module docstring);
     ``rows_apart``: the step also reads those rows apart from the cache as loaded (see :func:`_rows_barrier`).
+    ``rows_object``: gives the PTX of ``kernels/state_rows_cuda.cu`` (a path as ``#hal.executable.object`` takes
+    it; called only when some chunk forms); given, the row writes of consecutive slots are one dispatch per
+    :func:`_row_chunks` chunk.
 
     Returns:
         one :class:`StateSpec` per global, in slot order.
@@ -175,13 +195,18 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
     slots = [_Slot(i, o, t, *owner[k]) for k, (i, o, t) in enumerate(found)]
     gtypes = [_global_type(size, entry) for size in sizes]
     direct = {k: _direct_update(results[s.res], args[s.arg], block) if axis is not None else None for k, s in enumerate(slots)}
+    chunks = _row_chunks(slots, direct, ret, entry, axis) if rows_object is not None else []
     opset = fn.attributes["torch.onnx_meta.opset_version"] if "torch.onnx_meta.opset_version" in fn.attributes else None
     zero = "0.0" if entry.builtin_element.startswith(("f", "bf")) else "0"
     globals_ = "\n".join(f"util.global private mutable @{global_name(j)} = dense<{zero}> : {gtype}" for j, gtype in enumerate(gtypes))
     mod.add(globals_, "stateful KV cache", first=True)
+    if chunks:
+        sizes_used, obj = sorted({len(c) for c in chunks}), rows_object()
+        mod.add("\n".join(cuda_executable_source(f"{ROWS_EXECUTABLE}_m{m}", obj, [f"state_rows_m{m}"], m + 1, 1, 5,
+                                                 ROWS_THREADS) for m in sizes_used), "stateful KV cache: row writes", first=True)
     # the helpers' piece holds the globals again (left out when added: the same ops) so that it verifies alone
-    mod.add(globals_ + "\n" + _helpers(slots, direct, gtypes, entry, axis, str(opset) if opset is not None else None, rows_apart),
-            "stateful KV cache")
+    mod.add(globals_ + "\n" + _helpers(slots, direct, gtypes, entry, axis, str(opset) if opset is not None else None, rows_apart,
+                                       chunks), "stateful KV cache")
 
     loc = fn.location
     g = [ir.Type.parse(gtype, mod.context) for gtype in gtypes]
@@ -191,11 +216,20 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
     for k, s in enumerate(slots):
         past = _call(f"{_HELPER}slot_{k}", [args[s.arg].type], [states[s.group]], first, loc).results[0]
         args[s.arg].replace_all_uses_with(past)
-    for k in sorted((k for k, c in direct.items() if c is not None), key=lambda k: _position(block, direct[k])):
-        call, j = direct[k], slots[k].group
-        w = _call(f"{_HELPER}write_{k}", [g[j], call.results[0].type], [states[j], call.operands[1], call.operands[2]], call, call.location)
-        call.results[0].replace_all_uses_with(w.results[1])
-        call.erase()
+    order = {o.operation: n for n, o in enumerate(block.operations)}
+    chunked = {k for c in chunks for k in c}
+    units = [("rows", c, n) for n, c in enumerate(chunks)] + \
+            [("write", [k], k) for k, c in direct.items() if c is not None and k not in chunked]
+    # each unit where its last update was: every operand is there; the global's value threads through in that order
+    for kind, members, tag in sorted(units, key=lambda u: max(order[direct[k]] for k in u[1])):
+        calls = [direct[k] for k in members]
+        anchor, j = max(calls, key=lambda c: order[c]), slots[members[0]].group
+        operands = [states[j], *(c.operands[1] for c in calls), calls[0].operands[2]]
+        w = _call(f"{_HELPER}{kind}_{tag}", [g[j], *(c.results[0].type for c in calls)], operands, anchor, anchor.location)
+        for n, c in enumerate(calls):
+            c.results[0].replace_all_uses_with(w.results[1 + n])
+        for c in calls:
+            c.erase()
         states[j] = w.results[0]
     for k, s in enumerate(slots):
         if direct[k] is None:
@@ -224,21 +258,79 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
             for j, size in enumerate(sizes)]
 
 
+def _row_chunks(slots: list[_Slot], direct, ret: ir.Operation, entry: VTensor, axis: int) -> list[list[int]]:
+    """The slots whose row writes one state-rows dispatch makes, in chunks: runs of at most
+    :data:`MAX_ROWS_PER_WRITE` consecutive slots of one global whose updates have one static type and one position
+    value, and whose presents only the return reads (the write may then move to the chunk's last update). The
+    element type must be a whole number of 16-bit words (the kernel moves words), and an update 1 to
+    :data:`MAX_GRID_Y` rows (a workgroup each along the grid's y, CUDA's limit there)."""
+    if entry.builtin_element not in _WORDS:
+        return []
+    chunks: list[list[int]] = []
+    for k, s in enumerate(slots):
+        call = direct[k]
+        dims = VTensor.parse(str(call.operands[1].type)).dims if call is not None else [None]
+        rows = int(np.prod(dims[:axis + 1])) if None not in dims else 0
+        ok = 0 < rows <= MAX_GRID_Y and all(use.owner == ret for use in call.results[0].uses)
+        if not ok:
+            continue
+        last = chunks[-1] if chunks else None
+        if last and len(last) < MAX_ROWS_PER_WRITE and slots[last[-1]].group == s.group and slots[last[-1]].index + 1 == s.index \
+                and last[-1] == k - 1 and call.operands[1].type == direct[last[-1]].operands[1].type \
+                and call.operands[2] == direct[last[-1]].operands[2]:
+            last.append(k)
+        else:
+            chunks.append([k])
+    return chunks
+
+
+def _rows_helper(c: int, members: list[int], slots: list[_Slot], direct, gtype: str, entry: VTensor, axis: int,
+                 attrs: str) -> str:
+    """``@rewrite_kv_state_rows_<c>(state, rows..., position) -> (state, present...)``: one dispatch of the state-rows
+    kernel (``kernels/state_rows_cuda.cu``: its layout and contract) writing each member slot's rows in place."""
+    calls = [direct[k] for k in members]
+    t_u, t_p = VTensor.parse(str(calls[0].operands[1].type)), VTensor.parse(str(calls[0].operands[2].type))
+    t, b, m = entry.text, entry.builtin, len(calls)
+    words = _WORDS[entry.builtin_element]
+    outer, n = 1, t_u.dims[axis]
+    for d in entry.dims[:axis]:
+        outer *= d
+    inner = words
+    for d in entry.dims[axis + 1:]:
+        inner *= d
+    slot0 = slots[members[0]].index  # the chunk's slots are consecutive in their global
+    r = len(entry.dims)
+    ones = ", ".join("1" for _ in range(r + 1))
+    sizes = ", ".join(["1", *(str(d) for d in entry.dims)])
+    lines = [f"func.func private @{_HELPER}rows_{c}(%s: {gtype}, "
+             + ", ".join(f"%u{i}: {t_u.text}" for i in range(m)) + f", %p: {t_p.text}) -> ({gtype}"
+             + "".join(f", {t}" for _ in range(m)) + f"){attrs} {{"]
+    lines += [f"  %ub{i} = torch_c.to_builtin_tensor %u{i} : {t_u.text} -> {t_u.builtin}" for i in range(m)]
+    lines += [f"  %pb = torch_c.to_builtin_tensor %p : {t_p.text} -> {t_p.builtin}",
+              f"  %gx = arith.constant {m} : index", f"  %gy = arith.constant {outer * n} : index", "  %gz = arith.constant 1 : index",
+              f"  %outer = arith.constant {outer} : i32", f"  %seq = arith.constant {entry.dims[axis]} : i32",
+              f"  %inner = arith.constant {inner} : i32", f"  %n = arith.constant {n} : i32",
+              f"  %slot0 = arith.constant {slot0} : i32",
+              f"  %w = flow.dispatch @{ROWS_EXECUTABLE}_m{m}::@state_rows_m{m}[%gx, %gy, %gz](%pb, "
+              + "".join(f"%ub{i}, " for i in range(m)) + f"%s, %outer, %seq, %inner, %n, %slot0) : ({t_p.builtin}, "
+              + "".join(f"{t_u.builtin}, " for _ in range(m)) + f"{gtype}, i32, i32, i32, i32, i32) -> %s"]
+    for i in range(m):
+        offs = ", ".join([str(slot0 + i)] + ["0"] * r)
+        lines += [f"  %e{i} = tensor.extract_slice %w[{offs}] [{sizes}] [{ones}] : {gtype} to {b}",
+                  f"  %v{i} = torch_c.from_builtin_tensor %e{i} : {b} -> {t}"]
+    lines.append(f"  return %w, " + ", ".join(f"%v{i}" for i in range(m)) + f" : {gtype}" + "".join(f", {t}" for _ in range(m)) + "\n}")
+    return "\n".join(lines)
+
+
 def _global_type(size: int, entry: VTensor) -> str:
     return "tensor<" + "x".join(str(d) for d in [size, *entry.dims]) + "x" + entry.builtin_element + ">"
 
 
-def _position(block: ir.Block, op: ir.Operation) -> int:
-    for k, o in enumerate(block.operations):
-        if o.operation == op:
-            return k
-    raise BackendError("stateful: a KV cache update is not in the entry function's body")
-
-
 def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis: int | None, opset: str | None,
-             rows_apart: bool = False) -> str:
+             rows_apart: bool = False, chunks: list[list[int]] = ()) -> str:
     """The getters and the private helpers of :func:`make_stateful`, as one piece of MLIR (it loads the
-    globals, which the module must hold already)."""
+    globals, which the module must hold already). ``chunks``: :func:`_row_chunks`, written by the state-rows
+    kernel instead of a scatter each."""
     attrs = f" attributes {{torch.onnx_meta.opset_version = {opset}}}" if opset else ""  # the torch pipeline wants it on every function
     r = len(entry.dims)
     ones = ", ".join("1" for _ in range(r + 1))
@@ -253,6 +345,8 @@ def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis
                    f"  %e = tensor.extract_slice %s[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
                    f"  %v = torch_c.from_builtin_tensor %e : {b} -> {t}\n  return %v : {t}\n}}")
         call = direct[k]
+        if any(k in c for c in chunks):
+            continue
         if call is None:
             out.append(f"func.func private @{_HELPER}put_{k}(%s: {gtype}, %x: {t}) -> {gtype}{attrs} {{\n"
                        f"  %b = torch_c.to_builtin_tensor %x : {t} -> {b}\n"
@@ -267,6 +361,8 @@ def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis
                    + insert_rows_mlir("w", "%s", gtype, [str(slot.index)], "%ub", t_u, "%pb", t_p, entry.dims[axis], axis, "%w") + "\n"
                    f"  %e = tensor.extract_slice %w[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
                    f"  %v = torch_c.from_builtin_tensor %e : {b} -> {t}\n  return %w, %v : {gtype}, {t}\n}}")
+    out += [_rows_helper(c, members, slots, direct, gtypes[slots[members[0]].group], entry, axis, attrs)
+            for c, members in enumerate(chunks)]
     return "\n".join(out)
 
 
@@ -288,14 +384,16 @@ def _rows_barrier(rows: VTensor) -> str:
                              f"({rows.builtin}{types}) -> {rows.builtin}\n")
 
 
-def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> list[StateSpec]:
+def make_module_stateful(mod: MlirModule, function: str, manifest, graph, ctx: PatchContext | None = None) -> list[StateSpec]:
     """:func:`make_stateful` for every static KV cache pair of the model (found from what the graph computes,
     :func:`rewrite.core.interface.cache_pairs`); record the state in ``manifest.state`` and drop the cache tensors
     from ``manifest.inputs``/``outputs``. The sequence axis is the one dim where a KVCacheUpdate writes, when the
-    ``kv`` plugin ran (else None).
+    ``kv`` plugin ran (else None). ``ctx``: where the module is patched; for ``cuda``, where an attention reads the
+    new rows apart, the state-rows kernel is built for ``ctx.cuda_arch`` and copied into ``ctx.folder``.
 
     Raises:
-        BackendError: the model has no cache pairs, or :func:`make_stateful` refuses.
+        BackendError: the model has no cache pairs, :func:`make_stateful` refuses, or the state-rows kernel cannot
+            be built (no nvcc and no matching shipped PTX).
     """
     ins = [d["name"] for d in manifest.inputs]
     outs = [d["name"] for d in manifest.outputs]
@@ -313,8 +411,13 @@ def make_module_stateful(mod: MlirModule, function: str, manifest, graph) -> lis
     axis = axes.pop() if len(axes) == 1 else None
     # an attention reading the cache as loaded plus the new rows (the attention plugin's attention-reads-loaded-cache)
     rows_apart = any(n.op_type == "GroupedAttention" and any(n.inputs[4:]) for n in graph.nodes.values())
+    # there every write is a dispatch of its own at the step's end (_rows_barrier): on CUDA, a few slots a dispatch
+    rows_object = None
+    if rows_apart and axis is not None and ctx is not None and ctx.target == "cuda":
+        def rows_object() -> str:
+            return ctx.object_path(build_cuda_ptx(kernel_source(__file__, "state_rows_cuda.cu"), ctx.cuda_arch))
     with mod.context:
-        specs = make_stateful(mod, function, ins, outs, pairs, dtype, axis, rows_apart=rows_apart)
+        specs = make_stateful(mod, function, ins, outs, pairs, dtype, axis, rows_apart=rows_apart, rows_object=rows_object)
     state_in, state_out = {p for p, _ in pairs}, {o for _, o in pairs}
     manifest.inputs = [d for d in manifest.inputs if d["name"] not in state_in]
     manifest.outputs = [d for d in manifest.outputs if d["name"] not in state_out]

@@ -9,7 +9,9 @@ Rules (patterns in :mod:`rewrite.plugins.moe.patterns`, the op and its lowerings
 * ``fused-moe-by-value`` (tried last): any region that ends in the per-token sum over the k experts and passes
   the numerical check of :mod:`rewrite.plugins.moe.semantic` (transformers' default ``grouped_mm`` experts);
 * ``fused-moe-index-add`` (tried last): the same check for a region whose weighted expert outputs are added
-  into their tokens' rows by ``ScatterND(zeros, ids, ., reduction="add")`` (JetMoE's ``index_add``).
+  into their tokens' rows by ``ScatterND(zeros, ids, ., reduction="add")`` (JetMoE's ``index_add``);
+* ``fused-moe-residual`` (after them; for IREE cuda, or any backend with the option ``residual=true``): the
+  residual Add after a block becomes the FusedMoE's addend (:mod:`rewrite.plugins.moe.residual`).
 
 All accept the router as the raw Softmax/TopK chain or as the ``topk`` plugin's ``MoERouterTopK``, so
 ``--plugins moe`` works alone and after ``topk``. The shared expert (Qwen1.5-MoE) is not part of the match and
@@ -27,10 +29,12 @@ from rewrite.core.matcher import Match, Matcher
 from rewrite.core.pattern import AttrVar, Const, Or, Var
 from rewrite.core.rules import rule
 from rewrite.core.shape_eval import shape_elements
+from rewrite.errors import RewriteError
 from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.core.int4 import pack_int4
 from rewrite.plugins.moe.lowering import FusedMoE, _ort_block
 from rewrite.plugins.moe.patterns import hf_experts, seed_experts
+from rewrite.plugins.moe.residual import fuse_residual
 from rewrite.plugins.moe.semantic import prove_fused_moe
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
@@ -370,8 +374,22 @@ class MoE(Plugin):
         return [FusedMoE()]
 
     def run(self, graph, report, ctx=None, *, dry_run=False):
-        """Apply the rules, then note per INT4 FusedMoE how ONNX Runtime will run it (QMoE block or float MoE)."""
+        """Apply the rules and :func:`fuse_residual` (option ``residual``: default true for IREE cuda, where CUDA's
+        down kernel adds the residual in its store, false elsewhere, where the Add comes back in the lowering and
+        nothing is gained), then note per INT4 FusedMoE how ONNX Runtime will run it (QMoE block or float MoE).
+
+        Raises:
+            RewriteError: an unknown option, or ``residual`` not a boolean."""
+        opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
+        if set(opts) - {"residual"}:
+            raise RewriteError(f"moe: unknown option '{sorted(set(opts) - {'residual'})[0]}'; options: residual")
+        cuda = ctx is not None and (ctx.backend, getattr(ctx, "target", None)) == ("iree", "cuda")
+        residual = opts.get("residual", cuda)
+        if not isinstance(residual, bool):
+            raise RewriteError(f"moe: option residual={residual!r}; true or false expected")
         super().run(graph, report, ctx, dry_run=dry_run)
+        if residual:
+            fuse_residual(graph, report, dry_run=dry_run)
         if dry_run or getattr(ctx, "backend", "ort") != "ort":
             return
         for n in graph.nodes_by_op("FusedMoE", DOMAIN):

@@ -93,6 +93,39 @@ def seed_block(*, e: int = 8, k: int = 2, h: int = 128, i: int = 192, block: int
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
 
+def residual_block(*, dtype: int = TensorProto.FLOAT, tokens: int = 3, h: int = 32, reshape: bool = True,
+                   elementwise: bool = False) -> onnx.ModelProto:
+    """:func:`hf_block` for ``tokens`` tokens (static: the residual rule needs every dim) followed by the residual
+    sum of a decoder layer: ``z = Reshape(y, [1, T, h]) + r`` with ``r = MatMul(x, Wr) + x`` (a projection and
+    its residual; ``elementwise``: ``r = Sigmoid(x) * x`` instead, which the rule leaves alone), ``x`` a graph
+    input [1, T, h]; without ``reshape`` the Add reads y itself, [T, h]."""
+    m = hf_block(dtype=dtype, h=h)
+    g = m.graph
+    npdt = _NP[dtype]
+    for v in list(g.input) + list(g.output):
+        v.type.tensor_type.shape.dim[0].dim_value = tokens
+    shape = [1, tokens, h] if reshape else [tokens, h]
+    n = helper.make_node
+    g.input.append(helper.make_tensor_value_info("x", dtype, shape))
+    g.initializer.append(numpy_helper.from_array((np.random.default_rng(7).standard_normal((h, h)) * 0.2).astype(npdt), "wr"))
+    g.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), "out3"))
+    if elementwise:
+        g.node.extend([n("Sigmoid", ["x"], ["xs"]), n("Mul", ["xs", "x"], ["r"])])
+    else:
+        g.node.extend([n("MatMul", ["x", "wr"], ["xw"]), n("Add", ["xw", "x"], ["r"])])
+    y = "y"
+    if reshape:
+        g.node.append(n("Reshape", ["y", "out3"], ["y3"]))
+        y = "y3"
+    g.node.append(n("Add", [y, "r"], ["z"]))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("z", dtype, shape))
+    return m
+
+
+RESIDUAL = {"moe": {"residual": True}}  #: the option that runs fused-moe-residual on any backend
+
+
 def moe_cases() -> list[Case]:
     """Positive: each form, fp32/fp16, with and without renormalisation. Negative: forms that are not the contract."""
     F16 = TensorProto.FLOAT16
@@ -101,6 +134,13 @@ def moe_cases() -> list[Case]:
         positive("hf-fp32-renorm-e60-k4", lambda: hf_block(e=60, k=4, normalize=True), {"fused-moe-hf": 1}),
         positive("hf-fp16", lambda: hf_block(dtype=F16), {"fused-moe-hf": 1}, rtol=2e-2),
         positive("seed-int4-partial-block", seed_block, {"fused-moe-seed-int4": 1}),
+        # the residual rule is for IREE cuda by default: forced here, so ONNX Runtime and llvm-cpu check the addend
+        positive("hf-fp32-residual", residual_block, {"fused-moe-hf": 1, "fused-moe-residual": 1}, options=RESIDUAL),
+        positive("hf-fp16-residual-no-reshape", lambda: residual_block(dtype=F16, reshape=False),
+                 {"fused-moe-hf": 1, "fused-moe-residual": 1}, rtol=2e-2, options=RESIDUAL),
+        positive("hf-fp32-elementwise-addend-left", lambda: residual_block(elementwise=True),
+                 {"fused-moe-hf": 1, "fused-moe-residual": 0}, options=RESIDUAL),
+        positive("hf-fp32-residual-off-by-default", residual_block, {"fused-moe-hf": 1}),
         negative("topk-largest-0", lambda: hf_block(largest=0)),
         negative("sum-over-hidden-axis", lambda: hf_block(sum_axis=2)),
     ]

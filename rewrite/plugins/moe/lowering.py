@@ -16,6 +16,8 @@ Contract (inputs; T tokens, H hidden, E experts, I expert intermediate size, flo
 8. ``expert_ids`` INT64 [T, k] (``mode="routed"`` only): the k distinct experts of each token
 9. ``fc1_bias`` [E, 2I] hidden's dtype (optional; gate then up, as fc1's rows), 10. ``fc2_bias`` [E, H]
    (optional; added to each expert's output before its mixing weight, gpt-oss)
+11. ``addend`` [T, H] hidden's dtype (optional): added to the output, each rounded to hidden's dtype as the ONNX
+   Add it replaces (the residual sum after the block: the ``fused-moe-residual`` rule)
 
 Attributes: ``k`` (experts per token), ``normalize`` (0/1: divide the k weights by their sum; Qwen1.5-MoE 0,
 Qwen3-MoE 1), ``mode`` ("softmax_topk": softmax over E then top-k; "topk_softmax": top-k logits then softmax
@@ -29,6 +31,7 @@ weights). Output: float [T, H], hidden's dtype::
     g, u = fc1[e] @ x[t] + fc1_bias[e] split in halves                            (e = idx_j)
     g = min(g, limit); u = clamp(u, -limit, limit)                               (when swiglu_limit > 0)
     out[t] = sum_j w_j * (fc2[e] @ (g * sigmoid(alpha * g) * (u + beta)) + fc2_bias[e])
+    out[t] = round(round(out[t]) + addend[t])                                     (with an addend)
 
 The activation is com.microsoft MoE/QMoE's SwiGLU (seed 003 section 8): the defaults give SiLU(gate) * up;
 gpt-oss uses alpha 1.702, beta 1, limit 7. Dequantized weight = (code - zero_point) * scale per block along
@@ -57,10 +60,10 @@ CUDA_THREADS, CUDA_MAX_E = 256, 512
 #: pieces of it in flight at once (352 gate_up and 256 down workgroups for Qwen1.5-MoE's I=1408, k=4, H=2048 at
 #: T=1; BENCHMARKS.md has the configurations measured)
 CUDA_GATE_ITEMS, CUDA_DOWN_ROWS = 16, 8
-_FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64}
+_FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64, "addend": 128}
 MODES = ("softmax_topk", "topk_softmax", "routed")
 #: input positions of the contract
-IDS, FC1_BIAS, FC2_BIAS = 8, 9, 10
+IDS, FC1_BIAS, FC2_BIAS, ADDEND = 8, 9, 10, 11
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, block: int) -> np.ndarray:
@@ -105,9 +108,9 @@ class FusedMoE(AbstractOp):
 
     # ------------------------------------------------------------ reference
     def reference(self, attrs: dict, hidden, logits, fc1, fc2, s1=None, z1=None, s2=None, z2=None, ids=None,
-                  b1=None, b2=None) -> list[np.ndarray]:
+                  b1=None, b2=None, addend=None) -> list[np.ndarray]:
         """numpy float32 evaluation of the contract; returns [out] in hidden's dtype. ``logits`` are the mixing
-        weights [T, k] and ``ids`` the experts when ``mode="routed"``."""
+        weights [T, k] and ``ids`` the experts when ``mode="routed"``; ``addend`` [T, H] is added last."""
         T, H = hidden.shape
         I = fc1.shape[1] // 2
         bs = int(attrs.get("block_size", 0))
@@ -134,6 +137,8 @@ class FusedMoE(AbstractOp):
             if b2 is not None:
                 d = d + b2.astype(np.float32)[e]
             out += w[:, j:j + 1] * d
+        if addend is not None:
+            return [(out.astype(hidden.dtype).astype(np.float32) + addend.astype(np.float32)).astype(hidden.dtype)]
         return [out.astype(hidden.dtype)]
 
     # ------------------------------------------------------------------ ORT
@@ -171,8 +176,8 @@ class FusedMoE(AbstractOp):
         Raises:
             BackendError: weights that are not initializers; routed float weights not provably positive.
         """
-        ins = list(node.inputs) + [""] * (11 - len(node.inputs))
-        hidden, logits, fc1, fc2, s1, z1, s2, z2, ids, bias1, bias2 = ins
+        ins = list(node.inputs) + [""] * (12 - len(node.inputs))
+        hidden, logits, fc1, fc2, s1, z1, s2, z2, ids, bias1, bias2, addend = ins
         k, normalize = int(node.attr("k")), int(node.attr("normalize", 0))
         mode = node.attr("mode", "softmax_topk")
         if mode == "topk_softmax":
@@ -245,6 +250,8 @@ class FusedMoE(AbstractOp):
                        domain="com.microsoft", dtype=dt, shape=out_shape, **attrs)
             if scale is not None:
                 out = b.op("Mul", [out, scale], dtype=dt, shape=out_shape)
+        if addend:  # the residual sum after the block, as the graph had it
+            out = b.op("Add", [out, addend], dtype=dt, shape=out_shape)
         graph.ensure_opset("com.microsoft")
         graph.replace_node(node, [out])
         graph.remove_unused_initializers()  # the FusedMoE layouts, now repacked: do not ship the weights twice
@@ -283,7 +290,7 @@ class FusedMoE(AbstractOp):
             obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "moe_cuda.cu"), ctx.cuda_arch))
         else:
             obj = ctx.object_path(build_cpu_object(kernel_source(__file__, "moe_cpu.c")))
-        tys = list(op.operand_types) + [None] * (11 - len(op.operand_types))
+        tys = list(op.operand_types) + [None] * (12 - len(op.operand_types))
         present = [t is not None and t.element != "none" for t in tys]
         el = tys[0].builtin_element
         mode = op.attrs.get("mode", "softmax_topk")
@@ -309,6 +316,12 @@ class FusedMoE(AbstractOp):
         flags |= _FLAG["normalize"] if int(op.attrs.get("normalize", 0)) else 0
         flags |= _FLAG["topk_softmax"] if mode == "topk_softmax" else 0
         flags |= (_FLAG["zero_points"] if bs and present[5] else 0) | (_FLAG["routed"] if routed else 0) | (_FLAG["bias"] if bias else 0)
+        addend = present[ADDEND]
+        if addend and (tys[ADDEND].dims[1:] != [H] or tys[ADDEND].element != tys[0].element
+                       or None not in (tys[ADDEND].dims[0], tys[0].dims[0]) and tys[ADDEND].dims[0] != tys[0].dims[0]):
+            raise BackendError(f"FusedMoE {op.where}: addend {tys[ADDEND].text} with hidden {tys[0].text}: the addend "
+                               f"[T, {H}] of hidden's T and type expected")
+        flags |= _FLAG["addend"] if addend and cuda else 0
         alpha, beta, limit = (_f32_bits(v) for v in activation_params(op.attrs))
         wel = "i8" if bs else el
         names = ("fc1", "fc2", "s1", "z1", "s2", "z2", "ids", "b1", "b2")
@@ -362,12 +375,31 @@ class FusedMoE(AbstractOp):
             f"    %act = flow.dispatch @moe_exec::@gate_up[{'%t' if cuda else '%tk'}, %nb1](%x, %l, %ids, %fc1, %s1, %z1, %b1, {scalars}) : "
             f"(tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%tl}}, {ids_t}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, "
             f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, {', '.join([st] * 10)}) -> tensor<?xf32>{{%tki}}")
+        if addend and cuda:  # down's output is the addend, tied in place: the kernel adds to it (flag ADDEND)
+            a = tys[ADDEND]
+            lines.append(f"    %ad_s = tensor.collapse_shape %in{ADDEND} [[0, 1]] : {a.builtin} into tensor<{'?' if a.dims[0] is None else a.dims[0] * H}x{el}>")
+            lines.append(f"    %ad = tensor.cast %ad_s : tensor<{'?' if a.dims[0] is None else a.dims[0] * H}x{el}> to tensor<?x{el}>")
+            down_out, down_arg = "%ad{%th}", ", %ad"
+            down_type = f", tensor<?x{el}>{{%th}}"
+        else:
+            down_out, down_arg, down_type = f"tensor<?x{el}>{{%th}}", "", ""
         lines.append(
-            f"    %o = flow.dispatch @moe_exec::@down[%t, %nb2](%l, %ids, %act, %fc2, %s2, %z2, %b2, {scalars}) : "
+            f"    %o = flow.dispatch @moe_exec::@down[%t, %nb2](%l, %ids, %act, %fc2, %s2, %z2, %b2{down_arg}, {scalars}) : "
             f"(tensor<?x{el}>{{%tl}}, {ids_t}, tensor<?xf32>{{%tki}}, tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, "
-            f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>, {', '.join([st] * 10)}) -> tensor<?x{el}>{{%th}}")
+            f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>{down_type}, {', '.join([st] * 10)}) -> {down_out}")
         lines.append(f"    %o2 = tensor.expand_shape %o [[0, 1]] output_shape [%t, {H}] : tensor<?x{el}> into tensor<?x{H}x{el}>")
-        lines.append(f"    %out0 = tensor.cast %o2 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
+        if addend and not cuda:  # the C kernel writes the sum of the experts; the Add after it, in the kernel's type
+            a = tys[ADDEND]
+            lines += [f"    %ad = tensor.cast %in{ADDEND} : {a.builtin} to tensor<?x{H}x{el}>",
+                      f"    %ad_e = tensor.empty(%t) : tensor<?x{H}x{el}>",
+                      "    %o3 = linalg.generic {indexing_maps = [affine_map<(t, h) -> (t, h)>, affine_map<(t, h) -> (t, h)>, "
+                      "affine_map<(t, h) -> (t, h)>], iterator_types = [\"parallel\", \"parallel\"]}\n"
+                      f"        ins(%o2, %ad : tensor<?x{H}x{el}>, tensor<?x{H}x{el}>) outs(%ad_e : tensor<?x{H}x{el}>) {{\n"
+                      f"    ^bb0(%ya: {el}, %yb: {el}, %yo: {el}):\n      %ys = arith.addf %ya, %yb : {el}\n      linalg.yield %ys : {el}\n"
+                      f"    }} -> tensor<?x{H}x{el}>"]
+        else:
+            lines.append(f"    %o3 = tensor.cast %o2 : tensor<?x{H}x{el}> to tensor<?x{H}x{el}>")
+        lines.append(f"    %out0 = tensor.cast %o3 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
         name = f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['b1']}"
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
         if cuda:  # a PTX export is named after its kernel

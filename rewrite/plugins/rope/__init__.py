@@ -11,7 +11,8 @@ sin [1 or B, 1, 1 or T, D] of one float type. The contract and the lowerings: :m
 Why: iree-compile 3.13 runs each of these as several dispatches (the rotation's Split/Neg/Concat, the products;
 the norm's cast, reduction and scaling): 4 launches per layer for Qwen1.5-MoE's Q and K, 8 for Qwen3-30B-A3B's,
 where a decode step is bound by launches (BENCHMARKS.md, "Full-size decode on the H200"). Runs after ``cast``,
-before ``legalize`` and ``kv`` (whose cache writes read the rotated keys).
+before ``legalize`` and ``kv`` (whose cache writes read the rotated keys). For IREE cuda, ``rotary-embedding-pair``
+then makes each layer's Q and K rotation one op (:mod:`rewrite.plugins.rope.pair`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rewrite.core.rules import rule
 from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.plugins.rmsnorm.pattern import norm_refusal, rms_norm
 from rewrite.plugins.rope.op import CUDA_HEAD_SIZES, RotaryEmbedding, check_shapes
+from rewrite.plugins.rope.pair import pair_rotary_embeddings
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 _INT64_MAX = np.iinfo(np.int64).max
@@ -139,11 +141,18 @@ class Rope(Plugin):
     runs_before = ("legalize", "kv")
     description = "Rotary position embedding (and the per-head RMSNorm before it) -> RotaryEmbedding"
     opset_range = (13, 28)
-    kernels = (KernelObject("rotary_embedding_f32/f16_d32..256", "iree", "cuda", "kernels/rope_cuda.cu"),)
+    kernels = (KernelObject("rotary_embedding_f32/f16_d32..256, rotary_embedding2_f32/f16_d32..256", "iree", "cuda",
+                            "kernels/rope_cuda.cu"),)
 
     @property
     def rules(self):
         return [rotary_embedding]
+
+    def run(self, graph, report, ctx=None, *, dry_run=False):
+        """The rule, then for IREE cuda :func:`pair_rotary_embeddings` (a layer's Q and K in one op)."""
+        super().run(graph, report, ctx, dry_run=dry_run)
+        if ctx is not None and (ctx.backend, ctx.target) == ("iree", "cuda"):
+            pair_rotary_embeddings(graph, report, dry_run=dry_run)
 
     @property
     def abstract_ops(self):

@@ -6,13 +6,17 @@ Contract (one float type, f32 or f16, for X, cos, sin and the weight):
 1. ``cos`` [Bc, 1, Tc, D] with Bc in (1, B) and Tc in (1, T) (broadcast as ONNX's Mul broadcasts them)
 2. ``sin`` [Bs, 1, Ts, D] likewise
 3. ``norm_weight`` (optional) [D]
+4. ``X2`` (optional) [B, H2, T, D]: a second tensor rotated by the same cos and sin (a layer's K beside its Q: one
+   launch for both, the ``rotary-embedding-pair`` rule), output 1 ``Y2``
+5. ``norm_weight2`` (optional, with X2) [D]: X2's norm weight, the same ``norm_epsilon``
 
-Attribute ``norm_epsilon`` (float; with ``norm_weight``). Output ``Y`` [B, H, T, D]::
+Attribute ``norm_epsilon`` (float; with a norm weight). Output ``Y`` [B, H, T, D] (and ``Y2`` [B, H2, T, D])::
 
     with norm_weight:  X = Cast(X / Sqrt(ReduceMean(X * X, axis=-1) + norm_epsilon))  (in float32, rounded to
                        X's type) * norm_weight                                       (rounded to X's type)
     Y = X * cos + rotate_half(X) * sin     (each product and the sum rounded to X's type: the ONNX Mul and Add)
     rotate_half(X) = Concat(-X[..., D/2:], X[..., :D/2])
+    Y2 likewise from X2 (and norm_weight2)
 
 the decomposition the ``rope`` rules replace: transformers' ``apply_rotary_pos_emb`` (seed 000 "Rotary Position
 Embeddings") and, before it, Qwen3's ``q_norm``/``k_norm`` (an RMSNorm over the head size, computed in float32 and
@@ -26,6 +30,7 @@ row, then one elementwise op); IREE cuda one dispatch of ``kernels/rope_cuda.cu`
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -43,6 +48,8 @@ CUDA_HEAD_SIZES = (32, 64, 128, 256)  #: D the kernels are built for (D / 32 ele
 CUDA_WARPS = 8  #: rows a workgroup of the CUDA kernel takes (WARPS in kernels/rope_cuda.cu)
 CUDA_EXECUTABLE = "rope_exec"
 CUDA_KERNELS = [f"rotary_embedding_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
+CUDA_PAIR_EXECUTABLE = "rope2_exec"
+CUDA_PAIR_KERNELS = [f"rotary_embedding2_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
 
 
 def check_shapes(x, cos, sin, weight, where: str) -> tuple:
@@ -75,11 +82,14 @@ class RotaryEmbedding(AbstractOp):
     def lowerings(self) -> list[Lowering]:
         return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
-    def reference(self, attrs: dict, x, cos, sin, weight=None) -> list[np.ndarray]:
-        """numpy evaluation of the contract, each ONNX op's result rounded to X's dtype; returns [Y].
+    def reference(self, attrs: dict, x, cos, sin, weight=None, x2=None, weight2=None) -> list[np.ndarray]:
+        """numpy evaluation of the contract, each ONNX op's result rounded to X's dtype; returns [Y] (with X2:
+        [Y, Y2]).
 
         Raises:
             ValueError: shapes outside the contract (:func:`check_shapes`)."""
+        if x2 is not None:
+            return self.reference(attrs, x, cos, sin, weight) + self.reference(attrs, x2, cos, sin, weight2)
         check_shapes(x.shape, cos.shape, sin.shape, None if weight is None else weight.shape, "RotaryEmbedding")
         dt, f32 = x.dtype, np.float32
         if weight is not None:
@@ -109,16 +119,32 @@ class RotaryEmbedding(AbstractOp):
                 ins.append((1 + 0.1 * rng.standard_normal(d)).astype(dt))
                 attrs["norm_epsilon"] = 1e-6
             return attrs, ins
+        def pair(b, h, h2, t, d, dt, norm=False):  # Q and K of a layer: X2 of other heads, the same tables
+            attrs, ins = case(b, h, t, d, dt, norm=norm)
+            x2 = rng.standard_normal((b, h2, t, d)).astype(dt) * 3
+            ins += [x2, (1 + 0.1 * rng.standard_normal(d)).astype(dt)] if norm else [None, x2]
+            return attrs, ins
         return [case(1, 32, 1, 128, np.float16, norm=True), case(1, 4, 1, 128, np.float16, norm=True),
                 case(1, 16, 1, 128, np.float16), case(2, 4, 5, 64, np.float32, norm=True, per_batch=True),
-                case(1, 3, 7, 32, np.float32), case(2, 2, 3, 256, np.float16, per_batch=True)]
+                case(1, 3, 7, 32, np.float32), case(2, 2, 3, 256, np.float16, per_batch=True),
+                pair(1, 32, 4, 1, 128, np.float16, norm=True), pair(1, 16, 16, 1, 128, np.float16),
+                pair(2, 4, 2, 3, 64, np.float32, norm=True)]
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
         """The decomposition: ``[Cast -> Mul(x, x) -> ReduceMean -> Add(eps) -> Sqrt -> Div -> Cast -> Mul(weight)]``
-        then ``Add(Mul(X, cos), Mul(Concat(Neg(X[..., D/2:]), X[..., :D/2]), sin))``."""
-        x, cos, sin = node.inputs[:3]
-        weight = node.inputs[3] if len(node.inputs) > 3 else ""
+        then ``Add(Mul(X, cos), Mul(Concat(Neg(X[..., D/2:]), X[..., :D/2]), sin))``; for X2 the same again."""
+        ins = list(node.inputs) + [""] * (6 - len(node.inputs))
+        b = Builder(graph, "lower/RotaryEmbedding", node.order, node.name)
+        ys = [self._decomposed(graph, node, b, ins[0], ins[3])]
+        if ins[4]:
+            ys.append(self._decomposed(graph, node, b, ins[4], ins[5]))
+        graph.replace_node(node, ys)
+        graph.remove_unused_initializers()
+
+    def _decomposed(self, graph: Graph, node: Node, b: Builder, x: str, weight: str) -> str:
+        """The decomposition of :meth:`lower_ort` for one X (and its norm weight, "" when absent); returns Y."""
+        cos, sin = node.inputs[1:3]
         xv = graph.values[x]
         try:
             _, _, _, d = check_shapes(xv.shape, graph.values[cos].shape, graph.values[sin].shape,
@@ -126,7 +152,6 @@ class RotaryEmbedding(AbstractOp):
         except ValueError as e:
             raise BackendError(str(e)) from None
         dt, shape = xv.dtype, xv.shape
-        b = Builder(graph, "lower/RotaryEmbedding", node.order, node.name)
         i64 = lambda vals, name: b.const(np.asarray(vals, np.int64), name)  # noqa: E731
         if weight:
             f32 = TensorProto.FLOAT
@@ -144,9 +169,7 @@ class RotaryEmbedding(AbstractOp):
         lo = b.op("Slice", [x, i64([0], "zero"), i64([half], "half"), i64([-1], "last")], dtype=dt)
         hi = b.op("Slice", [x, i64([half], "half_b"), i64([d], "full"), i64([-1], "last_b")], dtype=dt)
         rot = b.op("Concat", [b.op("Neg", [hi], dtype=dt), lo], axis=-1, dtype=dt)
-        y = b.op("Add", [b.op("Mul", [x, cos], dtype=dt), b.op("Mul", [rot, sin], dtype=dt)], dtype=dt, shape=shape)
-        graph.replace_node(node, [y])
-        graph.remove_unused_initializers()
+        return b.op("Add", [b.op("Mul", [x, cos], dtype=dt), b.op("Mul", [rot, sin], dtype=dt)], dtype=dt, shape=shape)
 
     # ----------------------------------------------------------------- IREE
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
@@ -158,19 +181,26 @@ class RotaryEmbedding(AbstractOp):
             BackendError: a target other than llvm-cpu, or operands outside the contract."""
         if ctx.target != "llvm-cpu":
             raise BackendError(f"RotaryEmbedding linalg lowering asked for target '{ctx.target}'")
-        return IreeLowering(body=_Linalg(op).body())
+        first, second = _split_pair(op)
+        body = _Linalg(first).body()
+        if second is not None:  # X2: the same ops again, its SSA names apart
+            body += _renamed(_Linalg(second).body(), {"in0": "in4", "in3": "in5", "out0": "out1"})
+        return IreeLowering(body=body)
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One dispatch of ``kernels/rope_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``rotary_embedding_<el>_d<D>`` on
         ceil(B * H * T / 8) workgroups of 256 threads, a warp per row. Bindings X, cos, sin, weight (a dummy when
         absent), Y; push constants rows, H, T, cos's and sin's strides over B and T (0 where they broadcast),
-        has_norm and the epsilon's float32 bits.
+        has_norm and the epsilon's float32 bits. With X2, one dispatch of the pair kernel (:func:`_pair_cuda`).
 
         Raises:
             BackendError: a target other than cuda, D not in :data:`CUDA_HEAD_SIZES`, or operands outside the
                 contract."""
         if ctx.target != "cuda":
             raise BackendError(f"RotaryEmbedding CUDA lowering asked for target '{ctx.target}'")
+        first, second = _split_pair(op)
+        if second is not None:
+            return _pair_cuda(op, first, second, ctx)
         t = _Operands(op)
         if t.d not in CUDA_HEAD_SIZES:
             raise BackendError(f"RotaryEmbedding {op.where}: head size D={t.d}; the CUDA kernel takes {CUDA_HEAD_SIZES}")
@@ -194,6 +224,74 @@ class RotaryEmbedding(AbstractOp):
         -> {t.x.builtin}{dims(0, t.x)}
     %out0 = tensor.cast %y : {t.x.builtin} to {op.result_types[0].builtin}""")
         return IreeLowering(body="\n".join(lines) + "\n", module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 4, 1, 9, 32 * CUDA_WARPS, grid=1)})
+
+
+def _pair_cuda(op: TorchOperator, first: TorchOperator, second: TorchOperator, ctx: PatchContext) -> IreeLowering:
+    """:meth:`RotaryEmbedding.lower_iree_cuda` with X2: one dispatch of ``rotary_embedding2_<el>_d<D>`` on
+    ceil((B * H + B * H2) * T / 8) workgroups, X's rows then X2's (the kernel source's header)."""
+    t, t2 = _Operands(first), _Operands(second)
+    if t.d not in CUDA_HEAD_SIZES:
+        raise BackendError(f"RotaryEmbedding {op.where}: head size D={t.d}; the CUDA kernel takes {CUDA_HEAD_SIZES}")
+    obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "rope_cuda.cu"), ctx.cuda_arch))
+    kernel = f"rotary_embedding2_{t.el}_d{t.d}"
+    eps_bits = struct.unpack("<i", struct.pack("<f", float(op.attrs.get("norm_epsilon", 0.0))))[0]
+    lines = ["    %c0 = arith.constant 0 : index", "    %c1 = arith.constant 1 : index",
+             f"    %cw = arith.constant {CUDA_WARPS - 1} : index", f"    %cwd = arith.constant {CUDA_WARPS} : index",
+             operand_dim(op, 0, 0, "%b"), f"    %h = arith.constant {t.h} : index", f"    %h2 = arith.constant {t2.h} : index",
+             operand_dim(op, 0, 2, "%t"), "    %bh = arith.muli %b, %h : index", "    %rows = arith.muli %bh, %t : index",
+             "    %bh2 = arith.muli %b, %h2 : index", "    %rows2 = arith.muli %bh2, %t : index",
+             "    %all = arith.addi %rows, %rows2 : index",
+             "    %rw = arith.addi %all, %cw : index", "    %gx = arith.divui %rw, %cwd : index",
+             "    %rows32 = arith.index_cast %rows : index to i32", "    %rows232 = arith.index_cast %rows2 : index to i32",
+             "    %t32 = arith.index_cast %t : index to i32",
+             f"    %h32 = arith.constant {t.h} : i32", f"    %h232 = arith.constant {t2.h} : i32",
+             f"    %has32 = arith.constant {int(t.w is not None)} : i32", f"    %has232 = arith.constant {int(t2.w is not None)} : i32",
+             f"    %eps32 = arith.constant {eps_bits} : i32",
+             f"    %cd = arith.constant {t.d} : index", *_table_strides(op, 1, "c"), *_table_strides(op, 2, "s"),
+             f"    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>"]
+    w_arg, w_type = ("%in3", t.w.builtin) if t.w is not None else ("%dummy", f"tensor<1x{t.el}>")
+    w2_arg, w2_type = ("%in5", t2.w.builtin) if t2.w is not None else ("%dummy", f"tensor<1x{t.el}>")
+    dims = dispatch_dims
+    lines.append(f"""    %y:2 = flow.dispatch @{CUDA_PAIR_EXECUTABLE}::@{kernel}[%gx](%in0, %in1, %in2, {w_arg}, %in4, {w2_arg}, %rows32, %h32, %t32, %csb32, %cst32, %ssb32, %sst32, %has32, %eps32, %rows232, %h232, %has232) :
+        ({t.x.builtin}{dims(0, t.x)}, {t.cos.builtin}{dims(1, t.cos)}, {t.sin.builtin}{dims(2, t.sin)}, {w_type}, {t2.x.builtin}{dims(4, t2.x)}, {w2_type}, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32)
+        -> ({t.x.builtin}{dims(0, t.x)}, {t2.x.builtin}{dims(4, t2.x)})
+    %out0 = tensor.cast %y#0 : {t.x.builtin} to {op.result_types[0].builtin}
+    %out1 = tensor.cast %y#1 : {t2.x.builtin} to {op.result_types[1].builtin}""")
+    return IreeLowering(body="\n".join(lines) + "\n", module_items={
+        CUDA_PAIR_EXECUTABLE: cuda_executable_source(CUDA_PAIR_EXECUTABLE, obj, CUDA_PAIR_KERNELS, 6, 2, 12, 32 * CUDA_WARPS, grid=1)})
+
+
+def _split_pair(op: TorchOperator) -> tuple[TorchOperator, TorchOperator | None]:
+    """An op with X2 as two ops of one X each: (X, cos, sin, weight) -> Y and (X2, cos, sin, weight2) -> Y2, the
+    second's operands numbered as the first's (0 X2, 1 cos, 2 sin, 3 weight2); (op, None) without X2.
+
+    Raises:
+        BackendError: X2 of another B, T, D or element type than X."""
+    types = list(op.operand_types) + [None] * (6 - len(op.operand_types))
+    present = lambda t: t is not None and t.element != "none"  # noqa: E731
+    first = TorchOperator(op.op_type, op.node, op.attrs, [t for t in types[:4] if t is not None], op.result_types[:1])
+    if not present(types[4]):
+        return first, None
+    x, x2 = types[0], types[4]
+    if x2.element != x.element or len(x2.dims) != 4 or x2.dims[3] != x.dims[3] or x2.dims[0] != x.dims[0] or x2.dims[2] != x.dims[2]:
+        raise BackendError(f"RotaryEmbedding {op.where}: X {x.text}, X2 {x2.text}: X2 of X's B, T, D and type expected")
+    second = [x2, types[1], types[2]] + ([types[5]] if present(types[5]) else [])
+    return first, TorchOperator(op.op_type, op.node, op.attrs, second, op.result_types[1:2])
+
+
+def _renamed(body: str, names: dict[str, str]) -> str:
+    """``body`` with each SSA name ``%n`` renamed: ``names[n]`` (and ``%n_d<k>``, an operand's dims, likewise), the
+    shared operands ``%in1``, ``%in2`` (cos, sin) kept, any other name prefixed ``pair_`` (so a second lowered body
+    defines no name of the first)."""
+    def one(m: re.Match) -> str:
+        name = m.group(1)
+        base, _, rest = name.partition("_d") if name.startswith("in") else (name, "", "")
+        if base in names:
+            return "%" + names[base] + ("_d" + rest if rest else "")
+        if base in ("in1", "in2"):
+            return m.group(0)
+        return "%pair_" + name
+    return re.sub(r"%([A-Za-z_][\w]*)", one, body)
 
 
 def _table_strides(op: TorchOperator, k: int, tag: str) -> list[str]:

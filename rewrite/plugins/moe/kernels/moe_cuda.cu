@@ -8,7 +8,8 @@
 //   x [T, H], logits [T, E] (ROUTED: weights [T, k]), ids [T, k] i64 (ROUTED), w1 [E, 2I, H] float or INT4 codes
 //   two per byte along H (even element in the low nibble), s1/z1 [E, 2I, nb] scales / uint8 zero points (8 when
 //   absent), b1 [E, 2I]; w2 [E, H, I], s2/z2 [E, H, nb2], b2 [E, H]; act [T*k*I + 2*T*k] f32 scratch (the act
-//   rows, then the routing: see moe_gate_up); out [T, H].
+//   rows, then the routing: see moe_gate_up); out [T, H] (flag ADDEND: it holds the addend on entry, tied in
+//   place, and the sum on exit).
 //
 // moe_gate_up_<el>: grid (T, ceil(I / rows)), THREADS threads; rows = ceil(I / gridDim.y) (the lowering picks
 // the grid). Warp 0 routes the block's token into shared memory, once for all k experts (softmax, then top-k with
@@ -17,7 +18,7 @@
 // the token's routing behind the act rows: act[T*k*I + 2*k*t + j] = w_j, [.. + k + j] = e_j (int bits).
 // moe_down_<el>: grid (T, ceil(H / rows)): each warp reads its token's routing from behind the act rows (no
 // routing again), then per row r of H the sum over the k experts of w_j * (w2[e_j] row r . act[t, j] + b2),
-// written once in x's type.
+// written once in x's type (ADDEND: rounded to it, plus the addend, rounded again).
 //
 // Fast path (f16 activations, INT4 weights, H, I and the block size multiples of 32, the vectors within the
 // shared stages): the vector (x, or the k act rows) is staged once per workgroup in shared memory as half2,
@@ -41,6 +42,7 @@
 #define ZERO_POINTS 16
 #define ROUTED 32
 #define BIAS 64
+#define ADDEND 128
 
 #define MAX_K 64
 #define THREADS 256    // 8 warps per workgroup (CUDA_THREADS in lowering.py)
@@ -63,6 +65,15 @@ __device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; 
 __device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
 __device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ float rnd(const float*, float v) { return v; }
+__device__ __forceinline__ float rnd(const __half*, float v) { return __half2float(__float2half_rn(v)); }
+// down's store: with ADDEND, out holds the addend (the residual, tied in place) and gets round(round(v) + addend),
+// as the ONNX Add after the block computes it
+template <typename T>
+__device__ __forceinline__ void st_out(T* out, long long i, float v, int flags) {
+  if (flags & ADDEND) v = rnd(out, v) + ld(out, i);
+  st(out, i, v);
+}
 __device__ __forceinline__ float bits(int b) { return __int_as_float(b); }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -488,7 +499,7 @@ __device__ void down(const float* __restrict__ act, const void* __restrict__ w2,
         if (flags & BIAS)
           for (int j = 0; j < K; ++j)
             if (ids[j] >= 0) total += w[j] * ld(b2, (long long)ids[j] * H + r);
-        st(out, (long long)t * H + r, total);
+        st_out(out, (long long)t * H + r, total, flags);
       }
     }
     return;
@@ -502,7 +513,7 @@ __device__ void down(const float* __restrict__ act, const void* __restrict__ w2,
       if (flags & BIAS) d += ld(b2, e * H + r);
       acc += w[j] * d;
     }
-    if (lane == 0) st(out, (long long)t * H + r, acc);
+    if (lane == 0) st_out(out, (long long)t * H + r, acc, flags);
   }
 }
 

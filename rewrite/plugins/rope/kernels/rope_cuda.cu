@@ -25,12 +25,10 @@ __device__ __forceinline__ float rounded(float v, const float*) { return v; }
 __device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
 
 template <typename T, int D>
-__device__ void rotary_embedding(const T* x, const T* cos, const T* sin, const T* weight, T* y, int rows, int H,
-                                 int Tq, int csb, int cst, int ssb, int sst, int has_norm, float eps) {
+__device__ void rotary_row(const T* x, const T* cos, const T* sin, const T* weight, T* y, int row, int H, int Tq,
+                           int csb, int cst, int ssb, int sst, int has_norm, float eps) {
   constexpr int DL = D / 32;
   const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (row >= rows) return;
   const int t = row % Tq, b = row / (Tq * H);
   const T* xr = x + (size_t)row * D + lane * DL;
   float v[DL];
@@ -57,12 +55,29 @@ __device__ void rotary_embedding(const T* x, const T* cos, const T* sin, const T
   }
 }
 
+// rotary_embedding_<el>_d<D>: one X. rotary_embedding2_<el>_d<D>: two (Q and K of a layer: one launch), bindings
+// x, cos, sin, weight, x2, weight2, y, y2 and push constants rows, H, T, the four strides, has_norm, eps_bits,
+// rows2, H2, has_norm2; rows 0 .. rows - 1 of the grid are x's, the next rows2 x2's (same B, T, cos, sin, eps).
 #define KERNEL(T, el, D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(32 * WARPS) rotary_embedding_##el##_d##D(                    \
       const T* x, const T* cos, const T* sin, const T* weight, T* y, int rows, int H, int Tq, int csb,       \
       int cst, int ssb, int sst, int has_norm, int eps_bits) {                                               \
-    rotary_embedding<T, D>(x, cos, sin, weight, y, rows, H, Tq, csb, cst, ssb, sst, has_norm,               \
-                           __int_as_float(eps_bits));                                                        \
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);                                                 \
+    if (row >= rows) return;                                                                                 \
+    rotary_row<T, D>(x, cos, sin, weight, y, row, H, Tq, csb, cst, ssb, sst, has_norm,                      \
+                     __int_as_float(eps_bits));                                                              \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) rotary_embedding2_##el##_d##D(                   \
+      const T* x, const T* cos, const T* sin, const T* weight, const T* x2, const T* weight2, T* y, T* y2,   \
+      int rows, int H, int Tq, int csb, int cst, int ssb, int sst, int has_norm, int eps_bits, int rows2,    \
+      int H2, int has_norm2) {                                                                               \
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);                                                 \
+    if (row < rows)                                                                                          \
+      rotary_row<T, D>(x, cos, sin, weight, y, row, H, Tq, csb, cst, ssb, sst, has_norm,                    \
+                       __int_as_float(eps_bits));                                                            \
+    else if (row < rows + rows2)                                                                             \
+      rotary_row<T, D>(x2, cos, sin, weight2, y2, row - rows, H2, Tq, csb, cst, ssb, sst, has_norm2,        \
+                       __int_as_float(eps_bits));                                                            \
   }
 
 KERNEL(__half, f16, 32)
