@@ -27,7 +27,8 @@ same and writes only the ``.irpa``), loads the folder and measures:
   logits of those steps against the reference's (:func:`compare_logits`);
 * the per-kernel GPU time of ``PROFILE_STEPS`` more decode steps (:func:`kernel_profile`); the table's "GPU us/token"
   is their sum and "launches" their count per token: the rest of a step's wall time is the host's (launches,
-  the runtime's bookkeeping, the logits' copy and argmax).
+  the runtime's bookkeeping, the logits' copy and argmax); and their timeline (:func:`timeline`: whether the GPU
+  runs back to back or waits between kernels for the host's launches).
 
 ONNX Runtime CUDA keeps its KV cache on the device between steps (IO binding: each step's presents are the next
 step's pasts); without that every step would copy the whole cache to the host and back. PyTorch eager is
@@ -514,7 +515,7 @@ def report(work: Path, cfg) -> int:
     for name in (n for n in CONFIGS if n in res and n.startswith("iree") and n != "iree-plain"):
         if others:
             ratios = ", ".join(f"{res[name]['decode_tok_s'] / res[o]['decode_tok_s']:.1f}x {o}" for o in others)
-            print(f"decode {name}: {ratios} (measured in this run)")
+            print(f"decode {name}: {ratios} (the results in {work / 'results'})")
     return status
 
 

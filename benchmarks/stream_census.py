@@ -22,7 +22,7 @@ def main() -> int:
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--flag", action="append", default=[], help="an iree-compile flag to add (repeatable)")
     args = ap.parse_args()
-    print(f"{'folder':<40} {'dispatches':>10} {'copies':>7} {'fills':>6} {'launches':>9} {'MB copied':>10} {'>=1 MiB':>8}")
+    print(f"{'folder':<40} {'dispatches':>10} {'copies':>7} {'fills':>6} {'launches':>9} {'bindings':>9} {'MB copied':>10} {'>=1 MiB':>8}")
     for folder in args.folders:
         try:
             c = census(folder, args.flag)
@@ -30,7 +30,7 @@ def main() -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         launches = c["dispatches"] + c["copies"] + c["fills"]
-        print(f"{str(folder):<40} {c['dispatches']:>10} {c['copies']:>7} {c['fills']:>6} {launches:>9} "
+        print(f"{str(folder):<40} {c['dispatches']:>10} {c['copies']:>7} {c['fills']:>6} {launches:>9} {c['bindings']:>9} "
               f"{c['copy_bytes'] / 1e6:>10.1f} {c['big_copies']:>8}", flush=True)
     return 0
 

@@ -10,7 +10,8 @@ each with every plugin set of :data:`CONFIGS` for ``--backend iree --target cuda
 cuda`` (``--families mixtral,olmoe,...`` adds the coverage matrix's tiny models of those families,
 ``examples/moe_families.py``, transformers' exporter, ``batched_mm`` experts, with :data:`FAMILY_CONFIGS`), and
 records the tokens ONNX Runtime CPU decodes greedily on the original export (``PROMPT``, ``STEPS`` new tokens; for
-plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json``. It also
+plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json``; and the seed's tiny static-cache
+form of both compiled as the full-size decode is (:data:`STATEFUL_CONFIGS`). It also
 lowers single ops for CUDA with inputs and reference outputs beside them: the router in each mode of
 :data:`ROUTER_MODES` for ``iree`` (the topk plugin's CUDA build of its C kernel) and FusedMoE (:data:`MOE_SAMPLES`)
 for ``ort`` (QMoE and MoE) and ``iree`` (the moe plugin's CUDA kernels). A configuration that cannot be lowered

@@ -100,6 +100,7 @@ def test_cuda_lowering_compiles(tmp_path):
     slot_bytes = int(np.prod(state["shape"][1:])) * 2  # one cache (K or V of a layer), f16
     counts = census(tmp_path / "cuda")
     assert counts["copy_bytes"] < slot_bytes  # what is left: a few hundred bytes of RoPE tables
+    assert counts["bindings"] >= counts["dispatches"] + 5  # every dispatch reads one at least; the state rows 6
 
 
 @pytest.mark.slow

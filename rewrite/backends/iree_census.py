@@ -26,8 +26,9 @@ def census(folder: str | Path, flags: Sequence[str] = ()) -> dict:
     iree-compile option without rebuilding the folder).
 
     Returns:
-        ``dispatches``, ``copies``, ``fills`` (counts), ``copy_bytes`` and ``largest_copy`` (bytes; a copy whose
-        size is known only at run time counts 0),
+        ``dispatches``, ``copies``, ``fills`` (counts), ``bindings`` (of all dispatches together: IREE's CUDA driver
+        resolves each from the call's binding table at every launch), ``copy_bytes`` and ``largest_copy`` (bytes; a
+        copy whose size is known only at run time counts 0),
         ``big_copies`` (copies of at least 1 MiB) and their ``big_copy_bytes``.
 
     Raises:
@@ -59,6 +60,8 @@ def census(folder: str | Path, flags: Sequence[str] = ()) -> dict:
     copies = re.findall(r"stream\.cmd\.copy [^\n]*", body)
     sizes = [int(m.group(1)) if m else 0 for m in (re.search(r", %c(\d+)(?:_\d+)? :", c) for c in copies)]
     big = [n for n in sizes if n >= 1 << 20]
-    return dict(dispatches=len(re.findall(r"stream\.cmd\.dispatch ", body)), copies=len(copies),
+    # each dispatch's bindings are its lines "ro|rw|wo %resource[...]": the host resolves every one per launch
+    bindings = len(re.findall(r"^\s*(?:ro|rw|wo) %", body, flags=re.M))
+    return dict(dispatches=len(re.findall(r"stream\.cmd\.dispatch ", body)), copies=len(copies), bindings=bindings,
                 fills=len(re.findall(r"stream\.cmd\.fill ", body)), copy_bytes=sum(sizes),
                 largest_copy=max(sizes, default=0), big_copies=len(big), big_copy_bytes=sum(big))

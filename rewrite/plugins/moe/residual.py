@@ -31,8 +31,9 @@ from rewrite.core.rules import Builder
 
 RESIDUAL = "fused-moe-residual"
 ADDEND_PORT = 11  #: FusedMoE's input ``addend`` (rewrite.plugins.moe.lowering)
-#: ops whose output iree-compile computes in the dispatch of the Add that reads it (so no launch is saved)
+#: products whose output plus a residual is one dispatch (matmul4's output-add, or iree-compile's own fusion)
 PRODUCTS = frozenset({"MatMul", "Gemm", "MatMulInt4", "MatMulNBits", "DenseMatMul"})
+#: ops whose output iree-compile computes in the dispatch of the Add that reads it (so no launch is saved)
 ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "Neg", "Exp", "Cast", "Where", "Sqrt",
                          "Pow", "Erf", "Clip"})
 
