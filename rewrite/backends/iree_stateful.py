@@ -261,8 +261,8 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
 def _row_chunks(slots: list[_Slot], direct, ret: ir.Operation, entry: VTensor, axis: int) -> list[list[int]]:
     """The slots whose row writes one state-rows dispatch makes, in chunks: runs of at most
     :data:`MAX_ROWS_PER_WRITE` consecutive slots of one global whose updates have one static type and one position
-    value, and whose presents only the return reads (the write may then move to the chunk's last update). The
-    element type must be a whole number of 16-bit words (the kernel moves words), and an update 1 to
+    value (an int64), and whose presents only the return reads (the write may then move to the chunk's last
+    update). The element type must be a whole number of 16-bit words (the kernel moves words), and an update 1 to
     :data:`MAX_GRID_Y` rows (a workgroup each along the grid's y, CUDA's limit there)."""
     if entry.builtin_element not in _WORDS:
         return []
@@ -271,7 +271,8 @@ def _row_chunks(slots: list[_Slot], direct, ret: ir.Operation, entry: VTensor, a
         call = direct[k]
         dims = VTensor.parse(str(call.operands[1].type)).dims if call is not None else [None]
         rows = int(np.prod(dims[:axis + 1])) if None not in dims else 0
-        ok = 0 < rows <= MAX_GRID_Y and all(use.owner == ret for use in call.results[0].uses)
+        ok = 0 < rows <= MAX_GRID_Y and all(use.owner == ret for use in call.results[0].uses) \
+            and VTensor.parse(str(call.operands[2].type)).builtin_element == "i64"  # the kernel reads an int64
         if not ok:
             continue
         last = chunks[-1] if chunks else None
