@@ -323,6 +323,13 @@ class Graph:
         ids = {c for c, _ in self.uses(value) if c != SINK}
         return sorted((self.nodes[i] for i in ids), key=lambda n: n.order)
 
+    def only_reader(self, value: str) -> Node | None:
+        """The node that is ``value``'s one reader (one input port, not a graph output), else None."""
+        uses = self.uses(value)
+        if len(uses) != 1 or uses[0][0] == SINK:
+            return None
+        return self.nodes[uses[0][0]]
+
     def is_graph_output(self, value: str) -> bool:
         return value in self.outputs
 

@@ -36,14 +36,6 @@ SWIGLU = "swiglu"
 OUTPUT_ADD = "output-add"
 
 
-def _only_reader(graph: Graph, value: str) -> Node | None:
-    """The node that is ``value``'s one reader (one input port, not a graph output), else None."""
-    uses = graph.uses(value)
-    if len(uses) != 1 or uses[0][0] == SINK:
-        return None
-    return graph.node(uses[0][0])
-
-
 def _other(node: Node, value: str) -> str | None:
     """The input of two-input ``node`` that is not ``value`` (None when both or neither are)."""
     if len(node.inputs) != 2 or node.inputs.count(value) != 1:
@@ -58,12 +50,12 @@ def _swiglu_of(graph: Graph, gate: str, up: str) -> tuple[Node, Node, Node] | No
         return None
     sig = next((n for n in readers if n.op_type == "Sigmoid" and n.domain == ""), None)
     silu = next((n for n in readers if n.op_type == "Mul" and n.domain == ""), None)
-    if sig is None or silu is None or _only_reader(graph, sig.outputs[0]) is not silu or _other(silu, gate) != sig.outputs[0]:
+    if sig is None or silu is None or graph.only_reader(sig.outputs[0]) is not silu or _other(silu, gate) != sig.outputs[0]:
         return None
-    final = _only_reader(graph, silu.outputs[0])
+    final = graph.only_reader(silu.outputs[0])
     if final is None or final.op_type != "Mul" or final.domain != "" or _other(final, silu.outputs[0]) != up:
         return None
-    if _only_reader(graph, up) is not final:
+    if graph.only_reader(up) is not final:
         return None
     return sig, silu, final
 
@@ -149,7 +141,7 @@ def fuse_output_add(graph: Graph, report: PluginReport, *, dry_run: bool = False
         present = list(node.inputs[4:]) + [""] * (len(node.outputs) - len(node.inputs[4:]))
         fused: dict[int, tuple[Node, str, np.ndarray | None]] = {}
         for port, y in enumerate(node.outputs):
-            add = _only_reader(graph, y)
+            add = graph.only_reader(y)
             if present[port] or add is None or add.op_type != "Add" or add.domain != "":
                 continue
             got = _addend(graph, node, port, add)

@@ -26,7 +26,7 @@ import numpy as np
 
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport
-from rewrite.core.ir import SINK, Graph, Node
+from rewrite.core.ir import Graph, Node
 from rewrite.core.rules import Builder
 
 RESIDUAL = "fused-moe-residual"
@@ -36,13 +36,6 @@ PRODUCTS = frozenset({"MatMul", "Gemm", "MatMulInt4", "MatMulNBits", "DenseMatMu
 #: ops whose output iree-compile computes in the dispatch of the Add that reads it (so no launch is saved)
 ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "Neg", "Exp", "Cast", "Where", "Sqrt",
                          "Pow", "Erf", "Clip"})
-
-
-def _only_reader(graph: Graph, value: str) -> Node | None:
-    uses = graph.uses(value)
-    if len(uses) != 1 or uses[0][0] == SINK:
-        return None
-    return graph.node(uses[0][0])
 
 
 def _residual_add(graph: Graph, node: Node) -> bool:
@@ -64,11 +57,11 @@ def _residual_of(graph: Graph, node: Node) -> tuple[Node | None, Node, str] | st
     if len(node.inputs) > ADDEND_PORT and node.inputs[ADDEND_PORT]:
         return None
     y = node.outputs[0]
-    nxt = _only_reader(graph, y)
+    nxt = graph.only_reader(y)
     reshape = None
     if nxt is not None and nxt.op_type == "Reshape" and nxt.domain == "" and nxt.inputs[0] == y:
         reshape, y = nxt, nxt.outputs[0]
-        nxt = _only_reader(graph, y)
+        nxt = graph.only_reader(y)
     if nxt is None or nxt.op_type != "Add" or nxt.domain != "" or len(nxt.inputs) != 2:
         return None
     r = nxt.inputs[1 - nxt.inputs.index(y)]  # (y's only reader reads it once)

@@ -25,34 +25,7 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 __device__ __forceinline__ float rounded(float v, const float*) { return v; }
 __device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
 
-template <typename T>
-__device__ void rms_norm(const T* x, const T* weight, T* y, int H, float eps) {
-  __shared__ float sh[THREADS / 32];
-  const T* xr = x + (size_t)blockIdx.x * H;
-  T* yr = y + (size_t)blockIdx.x * H;
-  float v[PER_THREAD];
-  float ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < PER_THREAD; ++j) {
-    const int h = threadIdx.x + j * THREADS;
-    v[j] = h < H ? to_f(xr[h]) : 0.f;
-    ss += v[j] * v[j];
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) total += sh[w];
-  const float den = sqrtf(total / (float)H + eps);
-#pragma unroll
-  for (int j = 0; j < PER_THREAD; ++j) {
-    const int h = threadIdx.x + j * THREADS;
-    if (h < H) store(yr + h, rounded(v[j] / den, x) * to_f(weight[h]));
-  }
-}
-
+// the sum of ss over the workgroup's threads (warp shuffles, then the warps' sums through shared memory)
 __device__ __forceinline__ float block_sum(float ss) {
   __shared__ float sh[THREADS / 32];
 #pragma unroll
@@ -63,6 +36,26 @@ __device__ __forceinline__ float block_sum(float ss) {
 #pragma unroll
   for (int w = 0; w < THREADS / 32; ++w) total += sh[w];
   return total;
+}
+
+template <typename T>
+__device__ void rms_norm(const T* x, const T* weight, T* y, int H, float eps) {
+  const T* xr = x + (size_t)blockIdx.x * H;
+  T* yr = y + (size_t)blockIdx.x * H;
+  float v[PER_THREAD];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const int h = threadIdx.x + j * THREADS;
+    v[j] = h < H ? to_f(xr[h]) : 0.f;
+    ss += v[j] * v[j];
+  }
+  const float den = sqrtf(block_sum(ss) / (float)H + eps);
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const int h = threadIdx.x + j * THREADS;
+    if (h < H) store(yr + h, rounded(v[j] / den, x) * to_f(weight[h]));
+  }
 }
 
 // f16, H % 8 == 0: 16-byte pieces of 8 elements, up to PER_THREAD / 8 a thread
