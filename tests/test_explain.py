@@ -118,7 +118,7 @@ def test_dry_run_writes_nothing_and_expect_fails_with_status_3(altered_seed, tmp
     assert not out.exists() and list(tmp_path.iterdir()) == []
     assert ("error: expected legalize/exact-4bit-cast=12 matches, got 11 (dequantize-block: 6, exact-4bit-cast: 11, "
             "empty-scatter-nd: 0, empty-scatter-elements: 0, scatter-nd-rows: 0, shared-splat-scatter-elements: 0, "
-            "shared-splat-scatter-nd: 0)") in r.stderr
+            "shared-splat-scatter-nd: 0, full-sort-topk: 0)") in r.stderr
     assert "legalize=17" not in r.stderr  # 6 + 11 = 17 is met
     assert "dry run: nothing written" in r.stdout
     r = rewrite("apply", altered_seed, "--plugins", "legalize", "--backend", "iree", "--dry-run", "--expect", "legalize=17", "--report", tmp_path / "r.json")
@@ -126,7 +126,7 @@ def test_dry_run_writes_nothing_and_expect_fails_with_status_3(altered_seed, tmp
     rep = json.loads((tmp_path / "r.json").read_text())
     assert [(x["rule"], x["matches"]) for x in rep[0]["rules"]] == [("dequantize-block", 6), ("exact-4bit-cast", 11), ("empty-scatter-nd", 0),
                                                                   ("empty-scatter-elements", 0), ("scatter-nd-rows", 0),
-                                                                  ("shared-splat-scatter-elements", 0), ("shared-splat-scatter-nd", 0)]
+                                                                  ("shared-splat-scatter-elements", 0), ("shared-splat-scatter-nd", 0), ("full-sort-topk", 0)]
     assert list(tmp_path.iterdir()) == [tmp_path / "r.json"]
 
 

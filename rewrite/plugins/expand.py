@@ -122,6 +122,7 @@ class SymbolicEvaluator:
     def _v_Slice(self, n: Node) -> list | None:
         data = self.vector(n.inputs[0])
         consts = [self.graph.const(i) if i else None for i in n.inputs[1:5]]
+        consts += [None] * (4 - len(consts))  # axes and steps are optional inputs
         if data is None or consts[0] is None or consts[1] is None:
             return None
         if consts[2] is not None and [int(a) for a in consts[2]] not in ([0], [-1]):

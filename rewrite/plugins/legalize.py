@@ -31,6 +31,10 @@ What it rewrites, each measured against iree-base-compiler 3.13 on the example m
   adds its attention experts' outputs into another): iree-compile 3.13 writes the scatters into one buffer. Each
   gets a splat of the same value computed from its own indices, which the compiler cannot merge with the others
   (:mod:`rewrite.plugins.splat_scatter`).
+* **TopK that sorts a whole axis of integers for its order** (K provably the axis's run-time length, the
+  Values unread: JetMoE's attention experts sort their (token, expert) pairs so): iree-compile 3.13 cannot
+  compile it ("expected no unbounded stack allocations"). Rewritten as the stable ranking it computes, from
+  comparisons and sums (:mod:`rewrite.plugins.sort_topk`).
 * **Reduce ops with axes as an input** (opset 18; seed item A2, llvm/torch-mlir#4506): importer 3.13
   lowers constant axes (initializer, Constant node, or a constant-foldable chain) for all ten Reduce ops,
   so nothing is rewritten; axes known only at run time cannot be lowered (iree-compile fails on
@@ -50,6 +54,7 @@ from rewrite.core.rules import _FLOAT_FORMATS, _INT_RANGES, rule
 from rewrite.core.shape_eval import known_value
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import Plugin
+from rewrite.plugins.sort_topk import full_sort_topk
 from rewrite.plugins.splat_scatter import shared_splat_scatter_elements, shared_splat_scatter_nd
 
 _WIDEN_4BIT = {TensorProto.INT4: (TensorProto.INT8, np.int8), TensorProto.UINT4: (TensorProto.UINT8, np.uint8)}
@@ -307,7 +312,7 @@ class Legalize(Plugin):
     name = "legalize-iree-import"
     short = "legalize"
     description = ("Rewrite what IREE's importer or compiler rejects: blocked DequantizeLinear, 4-bit initializers, "
-                   "empty scatters, ScatterND of whole rows, scatters into a shared splat")
+                   "empty scatters, ScatterND of whole rows, scatters into a shared splat, run-time sorts of integers written as TopK")
     opset_range = (13, 28)
     # ONNX Runtime reads what this plugin rewrites; decomposing DequantizeLinear there would lose MatMulNBits/QMoE
     backends = ("iree",)
@@ -317,7 +322,7 @@ class Legalize(Plugin):
     @property
     def rules(self):
         return [dequantize_block, exact_4bit_cast, empty_scatter_nd, empty_scatter_elements, scatter_nd_rows,
-                shared_splat_scatter_elements, shared_splat_scatter_nd]
+                shared_splat_scatter_elements, shared_splat_scatter_nd, full_sort_topk]
 
     @property
     def cases(self):
@@ -414,7 +419,48 @@ class Legalize(Plugin):
             r = np.random.default_rng(5)
             return {"i1": np.array([[0], [2], [0], [1]], np.int64), "u1": r.random((4, 4)).astype(np.float32),
                     "i2": np.array([[3], [3], [1], [0]], np.int64), "u2": r.random((4, 4)).astype(np.float32)}
+
+        def sort_model(dtype, shape, axis, largest, k_axis=None, k=None, k_slice=False, opset=18, values_out=False):
+            """TopK over axis ``axis`` whose Values nobody reads (unless ``values_out``); K the length of axis
+            ``k_axis`` (default ``axis``) from the shape at run time (JetMoE's Gather form, or a 3-input Slice),
+            or the constant ``k``."""
+            ka = (axis if k_axis is None else k_axis) % len(shape)
+            if k is not None:
+                nodes, inits = [], [numpy_helper.from_array(np.array([k], np.int64), "k")]
+            elif k_slice:
+                nodes = [helper.make_node("Shape", ["ids"], ["shape"]),
+                         helper.make_node("Slice", ["shape", "k_axis", "k_end"], ["len"])]
+                inits = [numpy_helper.from_array(np.array([ka], np.int64), "k_axis"),
+                         numpy_helper.from_array(np.array([ka + 1], np.int64), "k_end")]
+            else:
+                nodes = [helper.make_node("Shape", ["ids"], ["shape"]),
+                         helper.make_node("Gather", ["shape", "k_axis"], ["len0"], axis=0),
+                         helper.make_node("Reshape", ["len0", "one1"], ["len"])]
+                inits = [numpy_helper.from_array(np.array(ka, np.int64), "k_axis"),
+                         numpy_helper.from_array(np.array([1], np.int64), "one1")]
+            nodes.append(helper.make_node("TopK", ["ids", "len" if k is None else "k"], ["vals", "order"], axis=axis,
+                                          largest=largest, name="sort"))
+            return model(nodes, [t("ids", dtype, shape)], t("order", TensorProto.INT64, None), inits, opset=opset,
+                         more_outputs=[t("vals", dtype, None)] if values_out else [])
+
+        def sort_feeds(dtype, shape):
+            def feeds(m):  # few distinct keys: many ties, which keep their index order
+                return {"ids": np.random.default_rng(7).integers(0, 4, shape).astype(dtype)}
+            return feeds
         return [
+            positive("jetmoe-expert-sort", sort_model(TensorProto.INT64, ["N"], 0, 0), matches={"full-sort-topk": 1},
+                     feeds=sort_feeds(np.int64, (11,))),
+            positive("expert-sort-opset-13", sort_model(TensorProto.INT64, ["N"], 0, 0, opset=13),
+                     matches={"full-sort-topk": 1}, feeds=sort_feeds(np.int64, (9,))),
+            positive("rows-sorted-descending", sort_model(TensorProto.INT32, ["B", "N", 2], -2, 1),
+                     matches={"full-sort-topk": 1}, feeds=sort_feeds(np.int32, (3, 6, 2))),
+            positive("k-sliced-from-the-shape", sort_model(TensorProto.UINT8, ["B", "N"], 1, 0, k_slice=True),
+                     matches={"full-sort-topk": 1}, feeds=sort_feeds(np.uint8, (2, 7))),
+            negative("k-another-axis-length", sort_model(TensorProto.INT64, ["B", "N"], 1, 1, k_axis=0)),
+            negative("static-k-sort", sort_model(TensorProto.INT64, [3, 6], 1, 1, k=6)),
+            negative("k-from-a-static-shape", sort_model(TensorProto.INT64, [3, 6], 1, 1)),
+            negative("sort-values-read", sort_model(TensorProto.INT64, ["N"], 0, 0, values_out=True)),
+            negative("sort-of-floats", sort_model(TensorProto.FLOAT, ["N"], 0, 0)),
             positive("scatters-into-one-splat", splat_scatters(), matches={"shared-splat-scatter-elements": 2}, feeds=scatter_feeds),
             positive("index-adds-into-one-splat", splat_scatters(nd=True), matches={"shared-splat-scatter-nd": 2},
                      feeds=index_add_feeds),

@@ -1,5 +1,6 @@
-// Row access shared by the dense-MatMul CUDA kernels (rewrite/plugins/matmul4, rewrite/plugins/densemm): 8
-// consecutive elements of an f16 or f32 row as floats, and one float stored in either type, round to nearest.
+// Element access shared by the plugins' CUDA kernels (matmul4, densemm, attention, rope, rmsnorm): an f16 or f32
+// element as a float, 8 consecutive elements of a row as floats, one float stored in either type (round to
+// nearest), and a float rounded to either type and back.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -7,6 +8,9 @@ __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+// v rounded to T and back: what storing an ONNX intermediate of type T does to it (the pointer picks T)
+__device__ __forceinline__ float rounded(float v, const float*) { return v; }
+__device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
 
 // p must be 16-byte aligned (f16) or 32-byte aligned (f32).
 __device__ __forceinline__ void load8(const __half* p, float* out) {

@@ -25,16 +25,11 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include "../../kernels/cuda_rows.h"  // to_f, store, rounded
+
 #define THREADS 512  // CUDA_THREADS in op.py
 #define WARPS (THREADS / 32)
 #define UNROLL 4
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ float rounded(float v, const float*) { return v; }
-__device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
 
 // DL consecutive elements at p as floats (DL = D / 32: 1, 2, 4 or 8).
 template <int DL>

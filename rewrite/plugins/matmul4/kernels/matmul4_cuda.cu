@@ -25,7 +25,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "../../kernels/cuda_rows.h"  // load8, store, to_f
+#include "../../kernels/cuda_rows.h"  // load8, store, to_f, rounded
 
 #define THREADS 256  // CUDA_THREADS in op.py
 #define WARPS (THREADS / 32)
@@ -42,10 +42,6 @@ __device__ __forceinline__ void load_codes(const uint8_t* p, uint32_t* words) {
     words[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
   }
 }
-
-// v rounded to T and back: what storing an ONNX intermediate of type T does to it
-__device__ __forceinline__ float rounded(float v, const float*) { return v; }
-__device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
 
 // ROWS = 1: output column n is weight row n. ROWS = 2 (*_swiglu): rows n (gate) and n + N / 2 (up).
 template <typename T, int VEC, int OUTS, int TOKENS, int ROWS>

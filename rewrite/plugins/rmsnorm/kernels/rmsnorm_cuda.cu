@@ -15,15 +15,10 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "../../kernels/cuda_rows.h"  // to_f, store, rounded
+
 #define THREADS 256  // CUDA_THREADS in op.py
 #define PER_THREAD 32  // H up to THREADS * PER_THREAD = 8192 (CUDA_MAX_H in op.py)
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ float rounded(float v, const float*) { return v; }
-__device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
 
 // the sum of ss over the workgroup's threads (warp shuffles, then the warps' sums through shared memory)
 __device__ __forceinline__ float block_sum(float ss) {

@@ -15,14 +15,9 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#define WARPS 8  // CUDA_WARPS in op.py
+#include "../../kernels/cuda_rows.h"  // to_f, store, rounded
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ float rounded(float v, const float*) { return v; }
-__device__ __forceinline__ float rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
+#define WARPS 8  // CUDA_WARPS in op.py
 
 template <typename T, int D>
 __device__ void rotary_row(const T* x, const T* cos, const T* sin, const T* weight, T* y, int row, int H, int Tq,
