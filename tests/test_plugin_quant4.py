@@ -223,7 +223,7 @@ def test_hf_export_lowers_through_legalize_for_iree(qwen2_moe_tiny, quantized_hf
     legal = {r["rule"]: r["matches"] for r in m.report[1]["rules"]}
     assert legal == {"dequantize-block": 18, "exact-4bit-cast": 8, "empty-scatter-nd": 0, "empty-scatter-elements": 0,
                      "scatter-nd-rows": 0, "shared-splat-scatter-elements": 0,
-                     "shared-splat-scatter-nd": 0}
+                     "shared-splat-scatter-nd": 0, "full-sort-topk": 0}
     res = {c.name: c for c in verify(out / "model.onnx", tmp_path / "iree")}
     assert all(c.ok for n, c in res.items() if n != "logits")
 
