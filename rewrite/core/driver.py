@@ -55,6 +55,19 @@ class RuleReport:
     nodes_added: int = 0
     best_partial: Failure | None = None
 
+    def refuse(self, reason: str, node: str) -> None:
+        """Record that ``reason`` refused the match at ``node`` (a node name; each listed once per reason)."""
+        nodes = self.refusals.setdefault(reason, [])
+        if node not in nodes:
+            nodes.append(node)
+
+    def applied(self, removed: int, added: int, matches: int = 1) -> None:
+        """Record ``matches`` applied matches that removed ``removed`` nodes and added ``added`` (for passes that
+        rewrite the graph themselves instead of through a rule's rewrite)."""
+        self.matches += matches
+        self.nodes_removed += removed
+        self.nodes_added += added
+
     def to_json(self) -> dict:
         d = {
             "rule": self.rule,
@@ -122,9 +135,7 @@ def apply_rules(graph: Graph, rules: Sequence[Rule], plugin: str, report: Plugin
                     m = Match(graph, r.pattern, binding, ctx)
                     fail = r.run_check(m)
                     if fail is not None:
-                        nodes = rep.refusals.setdefault(fail.reason, [])
-                        if (fail.node or anchor.name) not in nodes:
-                            nodes.append(fail.node or anchor.name)
+                        rep.refuse(fail.reason, fail.node or anchor.name)
                         continue
                     rep.matches += 1
                     total += 1

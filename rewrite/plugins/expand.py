@@ -322,7 +322,7 @@ class ExpandShapes(Plugin):
             out = graph.values[n.outputs[0]]
             shape = expand_shape(ev, n)
             if shape is None:
-                rep.refusals.setdefault("shape operand not evaluable symbolically", []).append(n.name)
+                rep.refuse("shape operand not evaluable symbolically", n.name)
                 continue
             if not _gains(out.shape, shape):
                 continue

@@ -434,7 +434,7 @@ class Quant4(Plugin):
             except _Skip as e:
                 if graph.values[name].dtype in _FLOATS and len(graph.values[name].initializer.dims) >= 2:
                     gathered = any(c.op_type in ("Gather", "GatherND") for c in graph.consumers(name))
-                    report.rule("expert-stack" if gathered else "dense-weight").refusals.setdefault(str(e), []).append(name)
+                    report.rule("expert-stack" if gathered else "dense-weight").refuse(str(e), name)
         if not targets:
             return
         _check_opset21(graph)

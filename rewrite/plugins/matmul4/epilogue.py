@@ -79,16 +79,14 @@ def fuse_swiglu(graph: Graph, report: PluginReport, *, dry_run: bool = False) ->
             continue
         gate_index, (sig, silu, final) = found
         if len(dtypes) != 1 or any(graph.values[n.outputs[0]].dtype not in dtypes for n in (sig, silu, final)):
-            rr.refusals.setdefault("SwiGLU's ops are not all of the projections' dtype", []).append(node.name)
+            rr.refuse("SwiGLU's ops are not all of the projections' dtype", node.name)
             continue
         weights = [graph.const(i) for i in node.inputs[1:]]
         if gate_index == 1 and any(w is None for w in weights):
-            rr.refusals.setdefault("up projection first and weights not initializers", []).append(node.name)
+            rr.refuse("up projection first and weights not initializers", node.name)
             continue
         fused += 1
-        rr.matches += 1
-        rr.nodes_removed += 4
-        rr.nodes_added += 1
+        rr.applied(removed=4, added=1)
         if dry_run:
             continue
         b = Builder(graph, SWIGLU, node.order, node.name)
@@ -146,15 +144,13 @@ def fuse_output_add(graph: Graph, report: PluginReport, *, dry_run: bool = False
                 continue
             got = _addend(graph, node, port, add)
             if isinstance(got, str):
-                rr.refusals.setdefault(got, []).append(add.name)
+                rr.refuse(got, add.name)
                 continue
             fused[port] = (add, *got)
         if not fused:
             continue
         fused_total += len(fused)
-        rr.matches += len(fused)
-        rr.nodes_removed += 1 + len(fused)
-        rr.nodes_added += 1
+        rr.applied(removed=1 + len(fused), added=1, matches=len(fused))
         if dry_run:
             continue
         b = Builder(graph, OUTPUT_ADD, node.order, node.name)

@@ -52,7 +52,7 @@ def merge_shared_input(graph: Graph, report: PluginReport, *, dry_run: bool = Fa
             continue
         weights = _weights(graph, node)
         if weights is None:
-            rr.refusals.setdefault("B, scales or zero points not initializers", []).append(node.name)
+            rr.refuse("B, scales or zero points not initializers", node.name)
             continue
         out = graph.values[node.outputs[0]]
         key = (node.inputs[0], int(node.attr("K")), int(node.attr("block_size")), out.dtype)
@@ -67,9 +67,7 @@ def merge_shared_input(graph: Graph, report: PluginReport, *, dry_run: bool = Fa
             continue
         nodes, parts = [n for n, _ in members], [w for _, w in members]
         merged += 1
-        rr.matches += 1
-        rr.nodes_removed += len(nodes)
-        rr.nodes_added += 1
+        rr.applied(removed=len(nodes), added=1)
         if dry_run:
             continue
         widths = [int(n.attr("N")) for n in nodes]

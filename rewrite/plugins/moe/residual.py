@@ -88,13 +88,11 @@ def fuse_residual(graph: Graph, report: PluginReport, *, dry_run: bool = False) 
         if got is None:
             continue
         if isinstance(got, str):
-            rr.refusals.setdefault(got, []).append(node.name)
+            rr.refuse(got, node.name)
             continue
         reshape, add, r = got
         fused += 1
-        rr.matches += 1
-        rr.nodes_removed += 2 + (reshape is not None)
-        rr.nodes_added += 1 + 2 * (reshape is not None)
+        rr.applied(removed=2 + (reshape is not None), added=1 + 2 * (reshape is not None))
         if dry_run:
             continue
         hidden = graph.values[node.inputs[0]]

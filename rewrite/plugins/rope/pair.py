@@ -52,14 +52,12 @@ def pair_rotary_embeddings(graph: Graph, report: PluginReport, *, dry_run: bool 
             a, b = nodes[i], nodes[i + 1]
             why = _why_not(graph, a, b)
             if why is not None:
-                rr.refusals.setdefault(why, []).append(a.name)
+                rr.refuse(why, a.name)
                 i += 1
                 continue
             i += 2
             made += 1
-            rr.matches += 1
-            rr.nodes_removed += 2
-            rr.nodes_added += 1
+            rr.applied(removed=2, added=1)
             if dry_run:
                 continue
             wa = a.inputs[3] if len(a.inputs) > 3 else ""
