@@ -72,7 +72,8 @@ MAX_SEQ = 256
 #: at all (INT4 dense weights, legal ops, static shapes, static cache); the MoE block and router are IREE's own
 #: lowering. "iree-t1": the fused model compiled for one token per call (``--dim seq_len=1``: static shapes let IREE
 #: pick its matrix-vector code for the dense MatMuls, and the step's command buffer is recorded once); its prefill is
-#: one call per prompt token. "iree-t1-nomerge": the same without matmul4's shared-input merge; "iree-t1-norope":
+#: one call per prompt token. "iree-t1-nomerge": the same without matmul4's shared-input merge; "iree-t1-noprologue":
+#: without matmul4's and densemm's rms-norm-prologue (each norm a launch of its own); "iree-t1-norope":
 #: without the rope and norm plugins (IREE's own norms and RoPE); "iree-t1-noattn": without those and the
 #: attention plugin (IREE's own lowering of the attention core too).
 CONFIGS = {
@@ -80,6 +81,8 @@ CONFIGS = {
     "iree-t1": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe", ("--dim", "seq_len=1")),
     "iree-t1-nomerge": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                         ("--dim", "seq_len=1", "--opt", "matmul4.merge=false")),
+    "iree-t1-noprologue": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
+                           ("--dim", "seq_len=1", "--opt", "matmul4.prologue=false", "--opt", "densemm.prologue=false")),
     "iree-t1-norope": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,attention,topk,moe", ("--dim", "seq_len=1")),
     "iree-t1-noattn": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ("--dim", "seq_len=1")),
     "iree-plain": ("iree", "quant4,cast,legalize,expand,kv", ()),
@@ -265,11 +268,16 @@ def timeline(prof, steps: int, wall_s: float) -> dict:
     last one's end (``span_us``), the time some activity ran (``busy_us``: the GPU is idle for span - busy), and
     the gaps between one activity's end and the next one's start (``gap_median_us``, ``gap_p90_us``). A busy
     time near the span means the GPU is the bound; gaps of microseconds between short kernels mean it waits for
-    the host's launches. Empty when the profiler gives no activity times."""
-    spans = []
+    the host's launches. With the driver API calls in the trace: the median time inside one ``cuLaunchKernel``
+    (``launch_api_us``) and the median time from one launch call's start to the next one's (``launch_interval_us``):
+    the rest of the interval is the runtime's own work per launch (IREE's replay of the command buffer). Empty when
+    the profiler gives no activity times."""
+    spans, launches = [], []
     for e in prof.profiler.kineto_results.events():
         if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0:
             spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+        elif e.name().startswith(("cuLaunchKernel", "cudaLaunchKernel")):
+            launches.append((e.start_ns(), e.duration_ns()))
     if not spans:
         return {}
     spans.sort()
@@ -283,8 +291,14 @@ def timeline(prof, steps: int, wall_s: float) -> dict:
             ce = max(ce, e)
     busy += ce - cs
     gaps = np.array(gaps or [0], np.float64) / 1e3
-    return {"wall_us": wall_s * 1e6 / steps, "span_us": (spans[-1][1] - spans[0][0]) / 1e3 / steps, "busy_us": busy / 1e3 / steps,
+    line = {"wall_us": wall_s * 1e6 / steps, "span_us": (spans[-1][1] - spans[0][0]) / 1e3 / steps, "busy_us": busy / 1e3 / steps,
             "gap_median_us": float(np.median(gaps)), "gap_p90_us": float(np.percentile(gaps, 90))}
+    if len(launches) > 1:
+        launches.sort()
+        starts = np.array([s for s, _ in launches], np.float64)
+        line["launch_api_us"] = float(np.median([d for _, d in launches])) / 1e3
+        line["launch_interval_us"] = float(np.median(np.diff(starts))) / 1e3
+    return line
 
 
 def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | None, width: int | None = None) -> dict:
@@ -510,7 +524,9 @@ def report(work: Path, cfg) -> int:
         print("per profiled token (CUPTI activity times): wall, GPU span first start to last end, GPU busy, gaps between activities")
     for name, t in lines:
         print(f"  {name:<16} wall {t['wall_us']:7.0f} us  span {t['span_us']:7.0f} us  busy {t['busy_us']:7.0f} us  "
-              f"gap median {t['gap_median_us']:5.1f} us, p90 {t['gap_p90_us']:5.1f} us")
+              f"gap median {t['gap_median_us']:5.1f} us, p90 {t['gap_p90_us']:5.1f} us"
+              + (f"; host per launch {t['launch_interval_us']:.1f} us, {t['launch_api_us']:.1f} of it in cuLaunchKernel"
+                 if "launch_api_us" in t else ""))
     others = [n for n in ("iree-plain", "ort", "torch") if n in res]
     for name in (n for n in CONFIGS if n in res and n.startswith("iree") and n != "iree-plain"):
         if others:

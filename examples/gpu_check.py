@@ -14,7 +14,8 @@ plugin sets with the lossy ``quant4``, on the quantized model) in ``bundle.json`
 form of both compiled as the full-size decode is (:data:`STATEFUL_CONFIGS`). It also
 lowers single ops for CUDA with inputs and reference outputs beside them: the router in each mode of
 :data:`ROUTER_MODES` for ``iree`` (the topk plugin's CUDA build of its C kernel) and FusedMoE (:data:`MOE_SAMPLES`)
-for ``ort`` (QMoE and MoE) and ``iree`` (the moe plugin's CUDA kernels). A configuration that cannot be lowered
+for ``ort`` (QMoE and MoE) and ``iree`` (the moe plugin's CUDA kernels), and the conformance kit's samples of the
+ops with CUDA kernels of their own (:func:`_op_samples`). A configuration that cannot be lowered
 is recorded with its error. ``--lowerings MODULE`` registers more lowerings first (``rewrite_cuda_router.lowering``:
 the PTX kernel of ``examples/cuda_router_lowering`` in place of the built-in one for the modes it takes).
 
@@ -62,7 +63,9 @@ CONFIGS = (
     ("ort", "cast,kv,attention,topk,moe", True),
     # RoPE (with Qwen3's q/k norms) and the other RMSNorms as one op each: the rope and norm plugins' CUDA kernels
     ("iree", "cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
-    ("iree", "quant4,matmul4,cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
+    # and the norms before a product in its kernel's prologue (matmul4's and densemm's rms-norm-prologue): the
+    # plugins the full-size decode runs with
+    ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
     ("ort", "cast,rope,norm,kv,attention,topk,moe", True),
 )
 #: plugin sets also checked on the seed's static-cache form (``examples/seed_form.py``, tiny) compiled as the
@@ -70,7 +73,7 @@ CONFIGS = (
 #: module state, its row writes as state-rows dispatches), against ONNX Runtime CPU on the seed form
 STATEFUL_CONFIGS = (
     ("iree", "cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
-    ("iree", "quant4,matmul4,cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
+    ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
 )
 #: plugin sets for the other families (``--families``): the coverage matrix's ``topk,moe`` with a static KV cache
 FAMILY_CONFIGS = (
@@ -171,10 +174,13 @@ def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS,
 def _op_samples() -> tuple:
     """(plugin, abstract op) whose ``sample_inputs`` are checked one op at a time on IREE cuda."""
     from rewrite.plugins.attention.op import GroupedAttention
+    from rewrite.plugins.densemm.op import DenseMatMul
+    from rewrite.plugins.matmul4.op import MatMulInt4
     from rewrite.plugins.rmsnorm.op import RMSNorm
     from rewrite.plugins.rope.op import RotaryEmbedding
 
-    return (("attention", GroupedAttention()), ("rope", RotaryEmbedding()), ("norm", RMSNorm()))
+    return (("attention", GroupedAttention()), ("rope", RotaryEmbedding()), ("norm", RMSNorm()), ("matmul4", MatMulInt4()),
+            ("densemm", DenseMatMul()))
 
 
 def _op_sample_rows(out: Path, op) -> list[dict]:

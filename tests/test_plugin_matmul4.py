@@ -142,3 +142,48 @@ def test_transformers_export_at_opset_20(qwen2_moe_tiny, tmp_path):
     got = Generator(tmp_path / "iree").generate(PROMPT, 8)
     ref = Generator.reference(tmp_path / "ref" / "model.onnx").generate(PROMPT, 8)
     assert got.tokens == ref.tokens
+
+
+@pytest.mark.slow
+def test_cuda_norm_prologue(tmp_path):
+    """iree --target cuda (no GPU): ``rms-norm-prologue`` takes each layer's input norm into the merged q/k/v
+    MatMulInt4 (its other reader, the attention's Shape, reads the norm's input instead). With one token per call
+    the ``_t1_o3_norm`` kernel normalizes the row itself: no RMSNorm dispatch is left for those norms; with any
+    number of tokens the norm is a dispatch of the RMSNorm kernel before the plain three-output kernel."""
+    import seed_form
+
+    layers = 2
+    model, _ = seed_form.build_seed_model("fp16", layers=layers, hidden=256, heads=2, kv_heads=2, head_dim=128, experts=4,
+                                          top_k=2, moe_intermediate=128, shared_intermediate=512, vocab=512, max_seq=16)
+    path = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
+    one = apply(path, tmp_path / "t1", plugins=FUSED, backend="iree", target="cuda", options={"stateful": True},
+                dims={"seq_len": 1})
+    (report,) = [r for r in one.report if r["plugin"] == "matmul4"]
+    assert {r["rule"]: r["matches"] for r in report["rules"]}["rms-norm-prologue"] == layers
+    mlir = (tmp_path / "t1" / "model.mlir").read_text()
+    assert mlir.count("flow.dispatch @matmul4_exec::@matmul_int4_f16_v32_t1_o3_norm[") == layers
+    assert "@rmsnorm_exec::@rms_norm_f16[" not in mlir  # the other norms are the decomposition: norm is not in FUSED
+    assert (tmp_path / "t1" / "model.vmfb").stat().st_size > 0
+    many = apply(path, tmp_path / "any", plugins=FUSED, backend="iree", target="cuda", options={"stateful": True})
+    mlir = (tmp_path / "any" / "model.mlir").read_text()
+    assert mlir.count("flow.dispatch @rmsnorm_exec::@rms_norm_f16[") == layers
+    assert mlir.count("flow.dispatch @matmul4_exec::@matmul_int4_f16_v32_o3[") == layers
+    assert (tmp_path / "any" / "model.vmfb").stat().st_size > 0
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_norm_epsilon_without_its_weight_is_a_clear_error(backend, tmp_path):
+    """A MatMulInt4 whose ``norm_epsilon`` has no norm weight after its addend slots is refused by the lowering
+    with one line naming the node and the layout expected, not lowered as a product without the norm."""
+    from rewrite.core import onnx_io
+    from rewrite.errors import BackendError
+    from rewrite.plugins.matmul4.op import MatMulInt4
+    from rewrite.testing.conformance import lower_graph, single_op_model
+
+    op = MatMulInt4()
+    attrs, inputs = op.sample_inputs(np.random.default_rng(0))[0]
+    attrs = dict(attrs, norm_epsilon=1e-6)  # and no norm weight
+    out = np.zeros((inputs[0].shape[0], attrs["N"]), np.float32)
+    model = single_op_model(op, attrs, inputs, [out])
+    with pytest.raises(BackendError, match=r"MatMulInt4 .*with norm_epsilon, inputs 4 \.\. 4 are the addends .* input 5 the norm weight"):
+        lower_graph(onnx_io.load(model), backend, tmp_path / backend, [op])

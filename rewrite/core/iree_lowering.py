@@ -243,8 +243,8 @@ def insert_rows_mlir(tag: str, dest: str, dest_type: str, lead: list[str], upd: 
     return "\n".join("    " + line for line in lines)
 
 
-def rows_view(a: VTensor, k: int) -> str:
-    """MLIR statements viewing operand 0 (``%in0``, type ``a`` = [..., K], rank >= 2, K static) as ``%a``
+def rows_view(a: VTensor, k: int, name: str = "%a") -> str:
+    """MLIR statements viewing operand 0 (``%in0``, type ``a`` = [..., K], rank >= 2, K static) as ``name``
     ``tensor<?xKxel>`` with ``%m`` (index) rows: the leading dims collapsed.
 
     Raises:
@@ -256,14 +256,14 @@ def rows_view(a: VTensor, k: int) -> str:
     rows = f"tensor<?x{k}x{el}>"
     lines = ["    %mc0 = arith.constant 0 : index"]
     if len(dims) == 2:
-        lines.append(f"    %a = tensor.cast %in0 : {a.builtin} to {rows}")
+        lines.append(f"    {name} = tensor.cast %in0 : {a.builtin} to {rows}")
     else:
         m = "?" if None in dims[:-1] else str(int(np.prod(dims[:-1])))
         col = f"tensor<{m}x{k}x{el}>"
         lines.append(f"    %acs = tensor.collapse_shape %in0 [[{', '.join(map(str, range(len(dims) - 1)))}], [{len(dims) - 1}]] : "
                      f"{a.builtin} into {col}")
-        lines.append(f"    %a = tensor.cast %acs : {col} to {rows}")
-    lines.append(f"    %m = tensor.dim %a, %mc0 : {rows}")
+        lines.append(f"    {name} = tensor.cast %acs : {col} to {rows}")
+    lines.append(f"    %m = tensor.dim {name}, %mc0 : {rows}")
     return "\n".join(lines)
 
 

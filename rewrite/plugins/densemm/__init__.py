@@ -10,6 +10,11 @@ Why: on IREE's cuda target the op's kernel reads each weight byte once per decod
 the LM head MatMul of Qwen1.5-MoE at 230 GB/s on an H200, and its one-column shared-expert gate in 11 us a call
 (BENCHMARKS.md, "Full-size decode on the H200"), where one warp reads the 4 KB in a few. Runs
 after ``quant4`` (which quantizes what it can first), ``topk`` and ``moe`` (which read the router's MatMul).
+
+Then the rule ``rms-norm-prologue`` (:mod:`rewrite.plugins.densemm.prologue`) moves an RMSNorm into the first float
+product reading it (the post-attention norm into the router's MatMul, the final norm into the LM head), whose
+second output is the normalized row for the norm's other readers: one launch for both at decode on CUDA. Option
+``prologue``: default true for IREE cuda, false elsewhere (the norm comes back in the other lowerings).
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ import numpy as np
 from onnx import TensorProto
 
 from rewrite.core.abstract_ops import DOMAIN
+from rewrite.core.driver import apply_rules
 from rewrite.core.ir import dtype_name
 from rewrite.core.rules import rule
+from rewrite.errors import RewriteError
 from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.plugins.densemm.op import CUDA_K_MULTIPLE, DenseMatMul
+from rewrite.plugins.densemm.prologue import fuse_norm_prologue
+from rewrite.plugins.rmsnorm.op import CUDA_MAX_H
 
 MIN_ELEMENTS = 1 << 20  #: smaller weights (routers, [2048, 60] in Qwen1.5-MoE) stay MatMuls
 MIN_GATE_K = 1024  #: a one-column weight this long or longer is taken too (a gate: iree-compile's matvec is slow)
@@ -71,11 +80,28 @@ class DenseMM(Plugin):
     runs_after = ("quant4", "topk", "moe")
     description = "MatMul by a large or one-column constant float weight (the LM head, a gate) -> DenseMatMul (a warp per column on CUDA)"
     opset_range = (13, 28)
-    kernels = (KernelObject("dense_matmul_f32/f16", "iree", "cuda", "kernels/densemm_cuda.cu"),)
+    kernels = (KernelObject("dense_matmul_f32/f16, dense_matmul_norm_f32/f16", "iree", "cuda", "kernels/densemm_cuda.cu"),)
 
     @property
     def rules(self):
         return [dense_float_matmul]
+
+    def run(self, graph, report, ctx=None, *, dry_run=False):
+        """The rule, then :func:`fuse_norm_prologue` when the option ``prologue`` is true (default: for IREE cuda).
+
+        Raises:
+            RewriteError: an unknown option, or ``prologue`` not a boolean."""
+        opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
+        if set(opts) - {"prologue"}:
+            raise RewriteError(f"densemm: unknown option '{sorted(set(opts) - {'prologue'})[0]}'; options: prologue")
+        cuda = ctx is not None and (getattr(ctx, "backend", None), getattr(ctx, "target", None)) == ("iree", "cuda")
+        prologue = opts.get("prologue", cuda)
+        if not isinstance(prologue, bool):
+            raise RewriteError(f"densemm: option prologue={prologue!r}; true or false expected")
+        apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
+        if prologue:
+            fuse_norm_prologue(graph, report, k_multiple=CUDA_K_MULTIPLE if cuda else 1, max_k=CUDA_MAX_H if cuda else None,
+                               dry_run=dry_run)
 
     @property
     def abstract_ops(self):

@@ -4,13 +4,19 @@ Contract (inputs; K the reduction size, N the output size, float = f32 or f16, o
 
 0. ``A`` float [..., K]
 1. ``W`` float [N, K]: the weight with rows along K (torch.nn.Linear's layout; the ONNX MatMul's B transposed)
+2. ``norm_weight`` float [K] (with the attribute ``norm_epsilon`` only): A is an RMSNorm's input (the
+   ``rms-norm-prologue`` rule, :mod:`rewrite.plugins.densemm.prologue`)
 
-Output ``Y`` [..., N] = A @ W^T, summed in float32, in A's dtype.
+Output ``Y`` [..., N] = A @ W^T, summed in float32, in A's dtype; with ``norm_epsilon`` A is first
+``RMSNorm(A, norm_weight, norm_epsilon)`` (ai.rewrite::RMSNorm's contract, :mod:`rewrite.plugins.rmsnorm.op`), and
+an optional second output ``A_normed`` [..., K] holds it (for the norm's other readers).
 
 Lowerings: ONNX Runtime (CPU and CUDA) gets the MatMul back (B = W^T, an initializer again when W is one); IREE
 llvm-cpu a ``linalg.generic`` contraction (IREE's own code); IREE cuda one dispatch of ``kernels/densemm_cuda.cu``,
 a warp per output column, so a decode step reads each weight byte once (iree-compile 3.13 runs Qwen1.5-MoE's LM
-head MatMul, 151936 x 2048 f16, at 230 GB/s on an H200: BENCHMARKS.md, "Full-size decode on the H200").
+head MatMul, 151936 x 2048 f16, at 230 GB/s on an H200: BENCHMARKS.md, "Full-size decode on the H200"); with
+``norm_epsilon`` and one row of A the ``dense_matmul_norm`` kernel normalizes the row in its prologue and writes
+``A_normed`` (one launch for the norm and the product), a longer A's norm is a dispatch of the RMSNorm kernel first.
 """
 
 from __future__ import annotations
@@ -18,12 +24,15 @@ from __future__ import annotations
 import numpy as np
 
 from rewrite.core.abstract_ops import AbstractOp
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings, row_count, rows_result, rows_view
+from rewrite.core.iree_lowering import (IreeLowering, PatchContext, TorchOperator, VTensor, kernel_bindings, row_count,
+                                        rows_result, rows_view)
 from rewrite.core.ir import Graph, Node
 from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
+from rewrite.plugins.rmsnorm.op import (CUDA_MAX_H, RMSNorm, f32_bits, rms_norm_cuda_dispatch, rms_norm_onnx,
+                                        rms_norm_rows_linalg)
 
 CUDA_THREADS = 256  #: THREADS in kernels/densemm_cuda.cu: 8 warps, one output column each
 CUDA_TOKENS = 8  #: TOKENS in kernels/densemm_cuda.cu: rows of A per workgroup
@@ -39,30 +48,56 @@ class DenseMatMul(AbstractOp):
     def lowerings(self) -> list[Lowering]:
         return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
-    def reference(self, attrs: dict, a, w) -> list[np.ndarray]:
-        """numpy float32 evaluation of the contract; returns [Y] in A's dtype."""
-        return [(a.astype(np.float32) @ w.astype(np.float32).T).astype(a.dtype)]
+    def reference(self, attrs: dict, a, w, norm_weight=None) -> list[np.ndarray]:
+        """numpy float32 evaluation of the contract: [Y] in A's dtype; with ``norm_epsilon`` [Y, A_normed].
+
+        Raises:
+            ValueError: ``norm_epsilon`` without a norm weight, or a norm weight without it."""
+        if (attrs.get("norm_epsilon") is None) != (norm_weight is None):
+            raise ValueError(f"DenseMatMul with attributes {attrs}: the norm weight (input 2) goes with norm_epsilon")
+        if norm_weight is None:
+            return [(a.astype(np.float32) @ w.astype(np.float32).T).astype(a.dtype)]
+        an = RMSNorm().reference({"epsilon": attrs["norm_epsilon"]}, a, np.asarray(norm_weight))[0]
+        return [(an.astype(np.float32) @ w.astype(np.float32).T).astype(a.dtype), an]
 
     def sample_inputs(self, rng: np.random.Generator) -> list[tuple[dict, list[np.ndarray]]]:
-        """Conformance-kit samples: rows not a multiple of 8, f16, a 3-D A, N not a multiple of the 8 warps."""
-        def case(m, k, n, dt, lead=()):
-            return {}, [rng.standard_normal((*lead, m, k)).astype(dt), (rng.standard_normal((n, k)) * 0.1).astype(dt)]
-        return [case(3, 64, 40, np.float32), case(9, 128, 77, np.float16), case(5, 256, 16, np.float16, lead=(2,))]
+        """Conformance-kit samples: rows not a multiple of 8, f16, a 3-D A, N not a multiple of the 8 warps; the
+        RMSNorm prologue on one row (the CUDA kernel's own: a router's shape, N under a workgroup's 8 columns) and
+        on several (a dispatch of the norm first)."""
+        def case(m, k, n, dt, lead=(), norm=None):
+            ins = [(rng.standard_normal((*lead, m, k)) * (3 if norm else 1)).astype(dt), (rng.standard_normal((n, k)) * 0.1).astype(dt)]
+            if norm is None:
+                return {}, ins
+            return {"norm_epsilon": norm}, ins + [(1 + 0.1 * rng.standard_normal(k)).astype(dt)]
+        return [case(3, 64, 40, np.float32), case(9, 128, 77, np.float16), case(5, 256, 16, np.float16, lead=(2,)),
+                case(1, 2048, 60, np.float16, lead=(1,), norm=1e-6), case(1, 64, 5, np.float32, norm=1e-5),
+                case(4, 128, 24, np.float16, lead=(1,), norm=1e-6)]
 
     def lower_ort(self, graph: Graph, node: Node) -> None:
-        """``MatMul(A, W^T)``: W^T an initializer when W is one (the MatMul the rule replaced), else a Transpose."""
+        """``MatMul(A, W^T)``: W^T an initializer when W is one (the MatMul the rule replaced), else a Transpose;
+        with ``norm_epsilon`` the RMSNorm before it (:func:`rewrite.plugins.rmsnorm.op.rms_norm_onnx`), its output
+        also ``A_normed``.
+
+        Raises:
+            BackendError: the norm weight and ``norm_epsilon`` not together."""
         a, w = node.inputs[:2]
+        norm = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else ""
+        if bool(norm) != (node.attr("norm_epsilon") is not None):
+            raise BackendError(f"DenseMatMul node {node.describe()}: the norm weight (input 2) goes with norm_epsilon")
         dt = graph.values[a].dtype
         b = Builder(graph, "lower/DenseMatMul", node.order, node.name)
+        if norm:
+            a = rms_norm_onnx(b, a, norm, float(node.attr("norm_epsilon")))
         c = graph.const(w)
         wt = b.const(np.ascontiguousarray(c.T), "weight") if c is not None else b.op("Transpose", [w], perm=[1, 0], dtype=dt)
         y = b.op("MatMul", [a, wt], dtype=dt, shape=graph.values[node.outputs[0]].shape)
-        graph.replace_node(node, [y])
+        graph.replace_node(node, [y, a][:len(node.outputs)])
         graph.remove_unused_initializers()
 
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """llvm-cpu: one ``linalg.generic`` over [M, N, K] (M = the product of A's leading dims) summing in f32,
-        then one truncating to f16 when A is f16.
+        then one truncating to f16 when A is f16; with ``norm_epsilon`` the RMSNorm's two before them
+        (:func:`rewrite.plugins.rmsnorm.op.rms_norm_rows_linalg`).
 
         Raises:
             BackendError: a target other than llvm-cpu, or a dynamic K or N.
@@ -70,9 +105,14 @@ class DenseMatMul(AbstractOp):
         if ctx.target != "llvm-cpu":
             raise BackendError(f"DenseMatMul linalg lowering asked for target '{ctx.target}'")
         a, k, n, el = _sizes(op)
+        norm = _norm(op, k)
         f16 = el == "f16"
         ext = "%xf = arith.extf %x : f16 to f32\n      %wf = arith.extf %wv : f16 to f32\n      " if f16 else ""
-        body = rows_view(a, k) + f"""
+        view = rows_view(a, k)
+        if norm is not None:
+            view = rows_view(a, k, "%a_in") + "\n" + rms_norm_rows_linalg("%a_in", "%m", k, el, "%in2", norm.builtin,
+                                                                          op.attrs["norm_epsilon"], "%a")
+        body = view + f"""
     %zero = arith.constant 0.0 : f32
     %y0 = tensor.empty(%m) : tensor<?x{n}xf32>
     %y1 = linalg.fill ins(%zero : f32) outs(%y0 : tensor<?x{n}xf32>) -> tensor<?x{n}xf32>
@@ -94,15 +134,22 @@ class DenseMatMul(AbstractOp):
       linalg.yield %vt : f16
     }} -> tensor<?x{n}xf16>
 """
-        return IreeLowering(body=body + rows_result(a, n, "%yo" if f16 else "%y", op.result_types[0]))
+        body += rows_result(a, n, "%yo" if f16 else "%y", op.result_types[0])
+        if len(op.result_types) > 1:  # A_normed
+            body += "\n" + rows_result(a, k, "%a", op.result_types[1], "%out1")
+        return IreeLowering(body=body)
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One dispatch of ``kernels/densemm_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``dense_matmul_<el>`` on
         (ceil(N / 8), ceil(M / 8)) workgroups of 256 threads: a warp per output column and 8 rows of A (the
-        kernel source's header). Push constants M, K, N (i32).
+        kernel source's header). Push constants M, K, N (i32). With ``norm_epsilon``: for one row of A,
+        ``dense_matmul_norm_<el>`` (bindings A, W, the norm weight, Y, A_normed; the epsilon's float32 bits a
+        fourth push constant); for more rows a dispatch of the RMSNorm kernel first
+        (:func:`rewrite.plugins.rmsnorm.op.rms_norm_cuda_dispatch`), whose output is A_normed.
 
         Raises:
-            BackendError: a target other than cuda, a dynamic K or N, or K not a multiple of 8.
+            BackendError: a target other than cuda, a dynamic K or N, K not a multiple of 8, K over 8192 with
+                ``norm_epsilon``, or a norm weight outside the contract.
         """
         if ctx.target != "cuda":
             raise BackendError(f"DenseMatMul CUDA lowering asked for target '{ctx.target}'")
@@ -110,8 +157,37 @@ class DenseMatMul(AbstractOp):
         if k % CUDA_K_MULTIPLE:
             raise BackendError(f"DenseMatMul on cuda: K={k}; the kernel takes a multiple of {CUDA_K_MULTIPLE}")
         obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "densemm_cuda.cu"), ctx.cuda_arch))
-        name, kernel = f"densemm_exec_{el}", f"dense_matmul_{el}"
+        norm = _norm(op, k)
+        if norm is not None and k > CUDA_MAX_H:
+            raise BackendError(f"DenseMatMul {op.where}: K={k} with norm_epsilon; the CUDA kernels normalize rows of at most {CUDA_MAX_H}")
         rows, dyn, result = row_count(a, n)
+        one_row = None not in a.dims[:-1] and int(np.prod(a.dims[:-1])) == 1
+        name, kernel, items = f"densemm_exec_{el}", f"dense_matmul_{el}", {}
+        a_in, out1 = "%in0", ""
+        if norm is not None and one_row:  # the norm in the kernel's prologue; A_normed its second output
+            name, kernel = f"densemm_norm_exec_{el}", f"dense_matmul_norm_{el}"
+            normed = row_count(a, k)[2]
+            body = rows + f"""
+    %gx = arith.constant {-(-n // (CUDA_THREADS // 32))} : index
+    %gy = arith.constant 1 : index
+    %m32 = arith.index_cast %m : index to i32
+    %k32 = arith.constant {k} : i32
+    %n32 = arith.constant {n} : i32
+    %eps32 = arith.constant {f32_bits(op.attrs["norm_epsilon"])} : i32
+    %y:2 = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %in2, %m32, %k32, %n32, %eps32) :
+        ({a.builtin}{dyn}, tensor<{n}x{k}x{el}>, {norm.builtin}, i32, i32, i32, i32) -> ({result}{dyn}, {normed}{dyn})
+    %out0 = tensor.cast %y#0 : {result} to {op.result_types[0].builtin}
+"""
+            if len(op.result_types) > 1:
+                body += f"    %out1 = tensor.cast %y#1 : {normed} to {op.result_types[1].builtin}\n"
+            return IreeLowering(body=body, module_items={name: _executable(name, kernel, obj, 3, 2, 4)})
+        if norm is not None:  # several rows: the RMSNorm kernel's dispatch first, its output A_normed
+            norm_body, items = rms_norm_cuda_dispatch(ctx, "%in0", f"{a.builtin}{dyn}", "%in2", norm.builtin, "%m", k, el,
+                                                      op.attrs["norm_epsilon"], "%an")
+            rows += "\n" + norm_body
+            a_in = "%an"
+            if len(op.result_types) > 1:
+                out1 = f"    %out1 = tensor.cast %an : {a.builtin} to {op.result_types[1].builtin}\n"
         # A and Y go to the kernel in their own shapes: no reshapes around the dispatch (see matmul4's lowering)
         body = rows + f"""
     %c8 = arith.constant {CUDA_TOKENS} : index
@@ -120,19 +196,38 @@ class DenseMatMul(AbstractOp):
     %m32 = arith.index_cast %m : index to i32
     %k32 = arith.constant {k} : i32
     %n32 = arith.constant {n} : i32
-    %y = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %m32, %k32, %n32) :
+    %y = flow.dispatch @{name}::@{kernel}[%gx, %gy]({a_in}, %in1, %m32, %k32, %n32) :
         ({a.builtin}{dyn}, tensor<{n}x{k}x{el}>, i32, i32, i32) -> {result}{dyn}
     %out0 = tensor.cast %y : {result} to {op.result_types[0].builtin}
-"""
-        bindings = kernel_bindings(2, 1)
-        exe = (f"  hal.executable.source private @{name} <objects = <{{\n"
-               f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
-               f"    hal.executable.export public @{kernel} ordinal(0)\n"
-               f"        layout(#hal.pipeline.layout<constants = 3, bindings = [{bindings}]>)\n"
-               f"        count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{\n"
-               f"      %c1 = arith.constant 1 : index\n      hal.return %gx, %gy, %c1 : index, index, index\n"
-               f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>\n  }}")
-        return IreeLowering(body=body, module_items={name: exe})
+""" + out1
+        items[name] = _executable(name, kernel, obj, 2, 1, 3)
+        return IreeLowering(body=body, module_items=items)
+
+
+def _executable(name: str, kernel: str, obj: str, read_only: int, written: int, constants: int) -> str:
+    """The ``hal.executable.source`` ``@name`` of one kernel of the PTX at ``obj`` on the (x, y) grid the dispatch's
+    workload gives, workgroups of CUDA_THREADS threads."""
+    return (f"  hal.executable.source private @{name} <objects = <{{\n"
+            f"      #hal.executable.target<\"cuda\", \"cuda-nvptx-fb\"> = [#hal.executable.object<{{path = \"{obj}\"}}>]}}>> {{\n"
+            f"    hal.executable.export public @{kernel} ordinal(0)\n"
+            f"        layout(#hal.pipeline.layout<constants = {constants}, bindings = [{kernel_bindings(read_only, written)}]>)\n"
+            f"        count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{\n"
+            f"      %c1 = arith.constant 1 : index\n      hal.return %gx, %gy, %c1 : index, index, index\n"
+            f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>\n  }}")
+
+
+def _norm(op: TorchOperator, k: int) -> VTensor | None:
+    """The norm weight's type of an imported DenseMatMul with ``norm_epsilon``, else None.
+
+    Raises:
+        BackendError: the norm weight and ``norm_epsilon`` not together, or a weight not [K] of A's element type."""
+    types = op.operand_types
+    norm = types[2] if len(types) > 2 and types[2].element != "none" else None
+    if (norm is None) != (op.attrs.get("norm_epsilon") is None):
+        raise BackendError(f"DenseMatMul {op.where}: the norm weight (input 2) goes with norm_epsilon")
+    if norm is not None and (norm.dims != [k] or norm.element != types[0].element):
+        raise BackendError(f"DenseMatMul {op.where}: norm weight {norm.text}; [{k}] of A's element type expected")
+    return norm
 
 
 def _sizes(op: TorchOperator):

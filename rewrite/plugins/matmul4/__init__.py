@@ -20,7 +20,11 @@ activation (query/key/value, gate/up) into one over their columns, with an outpu
 launch instead of several. Option ``merge`` (``--opt matmul4.merge=false``) turns it off. Then the rules
 ``swiglu`` and ``output-add`` (:mod:`rewrite.plugins.matmul4.epilogue`) move SwiGLU after merged gate/up
 projections and bias or residual Adds after any output into the op, so the CUDA kernel applies them in its
-store; option ``epilogue`` (``--opt matmul4.epilogue=false``) turns them off.
+store; option ``epilogue`` (``--opt matmul4.epilogue=false``) turns them off. Last, the rule ``rms-norm-prologue``
+(:mod:`rewrite.plugins.matmul4.prologue`) moves an RMSNorm whose one reader is a MatMulInt4 into it (the input
+norm before query/key/value), so on CUDA one launch normalizes the row and computes the product at decode; option
+``prologue``: default true for IREE cuda, false elsewhere (the norm comes back in the other lowerings: nothing is
+gained).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.plugins.matmul4.epilogue import fuse_output_add, fuse_swiglu
 from rewrite.plugins.matmul4.merge import merge_shared_input
 from rewrite.plugins.matmul4.op import MatMulInt4
+from rewrite.plugins.matmul4.prologue import fuse_norm_prologue
+from rewrite.plugins.rmsnorm.op import CUDA_MAX_H
 
 _FLOATS = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 _CODE_OFFSET = {TensorProto.UINT4: 0, TensorProto.INT4: 8}  #: code type -> added to reach 0..15
@@ -173,15 +179,18 @@ class MatMul4(Plugin):
 
     def run(self, graph: Graph, report: PluginReport, ctx=None, *, dry_run: bool = False) -> None:
         """The rule, then :func:`merge_shared_input` unless the option ``merge`` is false, then
-        :func:`fuse_swiglu` and :func:`fuse_output_add` unless the option ``epilogue`` is false.
+        :func:`fuse_swiglu` and :func:`fuse_output_add` unless the option ``epilogue`` is false, then
+        :func:`fuse_norm_prologue` when the option ``prologue`` is true (default: for IREE cuda).
 
         Raises:
-            RewriteError: an unknown option, or ``merge`` or ``epilogue`` not a boolean."""
+            RewriteError: an unknown option, or ``merge``, ``epilogue`` or ``prologue`` not a boolean."""
         opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
-        unknown = sorted(set(opts) - {"merge", "epilogue"})
+        unknown = sorted(set(opts) - {"merge", "epilogue", "prologue"})
         if unknown:
-            raise RewriteError(f"matmul4: unknown option '{unknown[0]}'; options: merge, epilogue")
-        for name in ("merge", "epilogue"):
+            raise RewriteError(f"matmul4: unknown option '{unknown[0]}'; options: merge, epilogue, prologue")
+        cuda = ctx is not None and (getattr(ctx, "backend", None), getattr(ctx, "target", None)) == ("iree", "cuda")
+        opts.setdefault("prologue", cuda)
+        for name in ("merge", "epilogue", "prologue"):
             if not isinstance(opts.get(name, True), bool):
                 raise RewriteError(f"matmul4: option {name}={opts[name]!r}; true or false expected")
         apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
@@ -190,6 +199,8 @@ class MatMul4(Plugin):
         if opts.get("epilogue", True):
             fuse_swiglu(graph, report, dry_run=dry_run)
             fuse_output_add(graph, report, dry_run=dry_run)
+        if opts["prologue"]:
+            fuse_norm_prologue(graph, report, max_k=CUDA_MAX_H if cuda else None, dry_run=dry_run)
 
     @property
     def abstract_ops(self):

@@ -1,7 +1,8 @@
 """Conformance cases of the ``matmul4`` plugin: the dense INT4 form ``quant4`` writes (UINT4 codes with zero
 points, INT4 codes without, a partial last block, f16, a leading batch dim), products sharing their input (merged
 by ``shared-input``, with or without the option), SwiGLU and bias or residual Adds after them (``swiglu``,
-``output-add``, with or without the option ``epilogue``), and forms it must leave alone."""
+``output-add``, with or without the option ``epilogue``), an RMSNorm before them (``rms-norm-prologue``, forced on:
+its default is IREE cuda only), and forms it must leave alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from rewrite.core.cases import negative, positive
+from rewrite.plugins.rmsnorm.cases import rms_norm_nodes
 
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 
@@ -165,6 +167,33 @@ def biased_gemms(*, dtype: int = TensorProto.FLOAT, k: int = 64, widths=(40, 24)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
 
 
+def normed_projections(*, dtype: int = TensorProto.FLOAT, k: int = 64, widths=(32, 16, 16), bs: int = 32,
+                       tap: bool = False, shape_reader: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """X [1, T, k] -> transformers' RMSNorm (in float32: f16 X between a Cast to float32 and one back; Pow,
+    ReduceMean, Add eps, Sqrt, Div, Mul weight) -> one INT4 projection per width -> Y_i (a decoder layer's input
+    norm and its query/key/value). ``tap``: the norm's output is also a graph output (not fused); ``shape_reader``:
+    a Shape of it too (as exporters write for the attention's reshapes) -> graph output S."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, h = rms_norm_nodes("X", dtype, k, rng)
+    outs = []
+    for i, n in enumerate(widths):
+        w, d = _int4_weight(rng, f"W{i}", k, n, bs, dtype)
+        inits += w
+        nodes += d + [helper.make_node("MatMul", [h, f"W{i}"], [f"Y{i}"], name=f"mm{i}")]
+        outs.append(helper.make_tensor_value_info(f"Y{i}", dtype, [1, "T", n]))
+    if tap:
+        nodes.append(helper.make_node("Identity", [h], ["H"]))
+        outs.append(helper.make_tensor_value_info("H", dtype, [1, "T", k]))
+    if shape_reader:
+        nodes.append(helper.make_node("Shape", [h], ["S"], name="shape"))
+        outs.append(helper.make_tensor_value_info("S", TensorProto.INT64, [3]))
+    g = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("X", dtype, [1, "T", k])], outs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+PROLOGUE = {"matmul4": {"prologue": True}}  #: the option that runs rms-norm-prologue on any backend
+
+
 def matmul4_cases() -> list:
     return [
         positive("uint4-zero-points-partial-block", lambda: dense_int4(k=80, bs=32), matches=1),
@@ -192,6 +221,14 @@ def matmul4_cases() -> list:
                  {"dense-int4-gemm": 1}, rtol=1e-2),
         negative("gemm-alpha", lambda: gemm_int4(alpha=0.5)),
         positive("gemms-with-biases-merged", biased_gemms, {"dense-int4-gemm": 2, "shared-input": 1}),
+        positive("norm-prologue-qkv", normed_projections, {"dense-int4-matmul": 3, "shared-input": 1, "rms-norm-prologue": 1},
+                 options=PROLOGUE),
+        positive("norm-prologue-f16-casts-shape-reader",
+                 lambda: normed_projections(dtype=TensorProto.FLOAT16, k=128, widths=(64,), bs=64, shape_reader=True),
+                 {"dense-int4-matmul": 1, "rms-norm-prologue": 1}, rtol=1e-2, options=PROLOGUE),
+        positive("norm-prologue-output-read-elsewhere", lambda: normed_projections(tap=True),
+                 {"dense-int4-matmul": 3, "shared-input": 1, "rms-norm-prologue": 0}, options=PROLOGUE),
+        positive("norm-prologue-off-by-default", normed_projections, {"dense-int4-matmul": 3, "shared-input": 1}),
         negative("blocks-along-n", lambda: dense_int4(axis=1, k=64, n=64, bs=32)),
         negative("weight-read-elsewhere", lambda: dense_int4(tap=True)),
     ]

@@ -9,12 +9,17 @@ Contract (inputs; K the reduction size, N the output size, nb = ceil(K / block_s
 3. ``zero_points`` UINT8 [N, nb] (optional; absent means 8, MatMulNBits' default)
 4. .. ``addend_i`` (optional, one per output, absent ones ``""``): A's dtype, [width_i] (a bias, added to every
    row) or output i's own shape (a residual)
+4 + outputs. ``norm_weight`` [K], A's dtype: present exactly when the attribute ``norm_epsilon`` is (the addends
+   before it padded with ``""`` to one per output)
 
-Attributes ``K``, ``N``, ``block_size``, optionally ``splits`` (2 or 3 widths summing to N) and ``activation``
-(``"swiglu"``: no splits, no addends). Output ``Y`` [..., N] in A's dtype, or with ``splits`` one output per
-width, ``Y_i`` [..., splits[i]] = Y's next splits[i] columns (the ``shared-input`` merge of products reading one A,
-:mod:`rewrite.plugins.matmul4.merge`)::
+Attributes ``K``, ``N``, ``block_size``, optionally ``splits`` (2 or 3 widths summing to N), ``activation``
+(``"swiglu"``: no splits, no addends) and ``norm_epsilon`` (float: A is an RMSNorm's input, the ``rms-norm-prologue``
+rule, :mod:`rewrite.plugins.matmul4.prologue`). Output ``Y`` [..., N] in A's dtype, or with ``splits`` one output
+per width, ``Y_i`` [..., splits[i]] = Y's next splits[i] columns (the ``shared-input`` merge of products reading
+one A, :mod:`rewrite.plugins.matmul4.merge`)::
 
+    A = RMSNorm(A, norm_weight, norm_epsilon)  (with norm_epsilon: ai.rewrite::RMSNorm's contract,
+                                                rewrite.plugins.rmsnorm.op)
     W[k, n] = (code[n, k] - zero_point[n, k // block_size]) * scales[n, k // block_size]
     Y = A @ W                                  (summed in float32, rounded to A's dtype)
     Y_i = Y_i + addend_i                       (in A's dtype: the ONNX Add the output-add rule fused)
@@ -34,7 +39,9 @@ dispatch of ``kernels/matmul4_cuda.cu``, the dequantization inside the dot produ
 each column stored straight into its output, so a decode step reads each weight byte once (iree-compile 3.13
 materializes the dequantized weight of the DequantizeLinear form at every call and runs the product at 230 GB/s
 on an H200: BENCHMARKS.md, "Full-size decode on the H200"), and launches once for a projection and its bias or
-residual add, or for the gate and up projections and their SwiGLU.
+residual add, or for the gate and up projections and their SwiGLU; with ``norm_epsilon`` and an A of one row,
+the ``_norm`` kernel normalizes A's row in its prologue (one launch for the norm and the product; a longer A's norm
+is a dispatch of the RMSNorm kernel before the product's).
 """
 
 from __future__ import annotations
@@ -52,10 +59,33 @@ from rewrite.core.kernels import build_cuda_ptx, kernel_source
 from rewrite.core.lowering import Lowering
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
+from rewrite.plugins.rmsnorm.op import (CUDA_MAX_H, RMSNorm, f32_bits, rms_norm_cuda_dispatch, rms_norm_onnx,
+                                        rms_norm_rows_linalg)
 
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 CUDA_THREADS = 256  #: THREADS in kernels/matmul4_cuda.cu: 8 warps, one output column each
 CUDA_TOKENS = 8  #: TOKENS in kernels/matmul4_cuda.cu: rows of A per workgroup
+
+
+def output_count(attrs: dict) -> int:
+    """The outputs the attributes give: 1, or one per ``splits`` width (none with ``activation``)."""
+    return 1 if attrs.get("activation") or not attrs.get("splits") else len(attrs["splits"])
+
+
+def extra_inputs(attrs: dict, extras: list, where: str) -> tuple[list, object]:
+    """(the addend inputs, the norm weight or None) from the inputs after the zero points (``extras``: names with
+    ``""`` for absent ones, or arrays with None), by the contract's layout (module docstring).
+
+    Raises:
+        ValueError: naming ``where``: with ``norm_epsilon``, not exactly one addend slot per output before the
+            norm weight, or an absent norm weight."""
+    if attrs.get("norm_epsilon") is None:
+        return list(extras), None
+    outs = output_count(attrs)
+    if len(extras) != outs + 1 or extras[outs] is None or (isinstance(extras[outs], str) and not extras[outs]):
+        raise ValueError(f"{where}: with norm_epsilon, inputs 4 .. {3 + outs} are the addends (\"\" when absent) "
+                         f"and input {4 + outs} the norm weight; got {len(extras)} input(s) after the zero points")
+    return list(extras[:outs]), extras[outs]
 
 
 def check_epilogue(attrs: dict, where: str, addends: int, outputs: int | None = None) -> None:
@@ -70,7 +100,7 @@ def check_epilogue(attrs: dict, where: str, addends: int, outputs: int | None = 
         raise ValueError(f"{where}: activation '{act}'; only 'swiglu' is defined")
     if act and (n % 2 or splits or addends):
         raise ValueError(f"{where}: activation swiglu needs an even N (got {n}), no splits and no addends")
-    expected = 1 if act or not splits else len(splits)
+    expected = output_count(attrs)
     if addends > expected or (outputs is not None and outputs != expected):
         raise ValueError(f"{where}: {addends} addend input(s) and {outputs} output(s) for {expected} output(s)")
 
@@ -96,12 +126,17 @@ class MatMulInt4(AbstractOp):
         """numpy float32 evaluation of the contract, each ONNX op's result rounded to A's dtype.
 
         ``a`` [..., K] f32/f16, ``codes`` uint8 [N, ceil(K/2)], ``scales`` [N, nb], ``zero_points`` uint8 [N, nb] or
-        None, ``addends`` one per output, each [width] or the output's shape, or None. Returns [Y] [..., N], one
+        None, ``addends`` one per output, each [width] or the output's shape, or None (with ``norm_epsilon`` one
+        per output, then the norm weight [K]). Returns [Y] [..., N], one
         array per split, or with ``activation="swiglu"`` [Y'] [..., N/2], in A's dtype.
 
         Raises:
             ValueError: an activation other than swiglu, or attributes and inputs outside the contract."""
-        check_epilogue(attrs, f"MatMulInt4 with attributes {attrs}", len(addends))
+        where = f"MatMulInt4 with attributes {attrs}"
+        addends, norm_weight = extra_inputs(attrs, list(addends), where)
+        check_epilogue(attrs, where, len(addends) if any(x is not None for x in addends) else 0)
+        if norm_weight is not None:
+            a = RMSNorm().reference({"epsilon": attrs["norm_epsilon"]}, a, np.asarray(norm_weight))[0]
         dt, f32 = a.dtype, np.float32
         w = dequantize(codes, scales, zero_points, int(attrs["K"]), int(attrs["block_size"]))
         y = (a.astype(f32) @ w).astype(dt)
@@ -117,17 +152,21 @@ class MatMulInt4(AbstractOp):
 
     def sample_inputs(self, rng: np.random.Generator) -> list[tuple[dict, list[np.ndarray]]]:
         """Conformance-kit samples: a partial last block, no zero points, f16, 3-D A, rows not a multiple of 8,
-        splits, addends (a bias, a residual, absent ones) and SwiGLU."""
-        def case(m, k, n, bs, dt, zp=True, lead=(), splits=None, adds=(), act=None):
+        splits, addends (a bias, a residual, absent ones), SwiGLU, and the RMSNorm prologue with each of them."""
+        def case(m, k, n, bs, dt, zp=True, lead=(), splits=None, adds=(), act=None, norm=None):
             nb = -(-k // bs)
-            a = rng.standard_normal((*lead, m, k)).astype(dt)
+            a = (rng.standard_normal((*lead, m, k)) * (3 if norm else 1)).astype(dt)
             ins = [a, pack_int4(rng.integers(0, 16, (n, k))), (rng.random((n, nb)) * 0.1 + 0.01).astype(dt)]
             ins.append(rng.integers(0, 16, (n, nb)).astype(np.uint8) if zp else None)
+            outs = 1 if act else len(splits or [n])
             for w, add in zip(splits or [n], adds):  # "bias" [w], "residual" [..., m, w] or None
                 ins.append(None if add is None else rng.standard_normal((w,) if add == "bias" else (*lead, m, w)).astype(dt))
+            if norm is not None:  # the addend slots padded to one per output, then the norm weight
+                ins += [None] * (4 + outs - len(ins)) + [(1 + 0.1 * rng.standard_normal(k)).astype(dt)]
             while ins[-1] is None:
                 ins.pop()
-            attrs = dict(K=k, N=n, block_size=bs, **({"splits": splits} if splits else {}), **({"activation": act} if act else {}))
+            attrs = dict(K=k, N=n, block_size=bs, **({"splits": splits} if splits else {}), **({"activation": act} if act else {}),
+                         **({"norm_epsilon": norm} if norm is not None else {}))
             return attrs, ins
         return [case(3, 96, 40, 32, np.float32), case(1, 64, 24, 64, np.float32, zp=False),
                 case(9, 128, 72, 128, np.float16), case(5, 80, 16, 16, np.float16, lead=(2,)),
@@ -135,7 +174,13 @@ class MatMulInt4(AbstractOp):
                 case(3, 64, 56, 32, np.float16, splits=[24, 16, 16], adds=("bias", None, "residual")),
                 case(1, 96, 32, 32, np.float32, zp=False, lead=(1,), adds=("residual",)),
                 case(2, 64, 48, 64, np.float16, adds=("bias",)),
-                case(3, 64, 48, 32, np.float16, act="swiglu"), case(1, 96, 64, 32, np.float32, zp=False, lead=(1,), act="swiglu")]
+                case(3, 64, 48, 32, np.float16, act="swiglu"), case(1, 96, 64, 32, np.float32, zp=False, lead=(1,), act="swiglu"),
+                # the RMSNorm prologue: one row (the CUDA kernels' own) and several (a dispatch of the norm first)
+                case(1, 256, 48, 64, np.float16, lead=(1,), splits=[32, 8, 8], norm=1e-6),
+                case(1, 64, 40, 32, np.float32, zp=False, adds=("residual",), norm=1e-5),
+                case(1, 128, 32, 32, np.float16, lead=(1,), act="swiglu", norm=1e-6),
+                case(4, 96, 24, 32, np.float16, splits=[16, 8], adds=(None, "bias"), norm=1e-6),
+                case(3, 64, 16, 64, np.float32, lead=(2,), norm=1e-6)]
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
@@ -144,7 +189,8 @@ class MatMulInt4(AbstractOp):
         MatMulNBits. Weights computed in the graph: the same dequantization in standard ONNX ops (BitwiseAnd and
         BitShift unpack the nibbles; scales and zero points repeated per block, as ``legalize`` does). Then the
         ops the plugin's later rules fused, back as they were: a Split for ``splits``, Split, Sigmoid and two Muls
-        for ``swiglu``, an Add per addend."""
+        for ``swiglu``, an Add per addend; the RMSNorm before the product for ``norm_epsilon``
+        (:func:`rewrite.plugins.rmsnorm.op.rms_norm_onnx`)."""
         a, b_in, s_in = node.inputs[:3]
         z_in = node.inputs[3] if len(node.inputs) > 3 else ""
         codes, scales = graph.const(b_in), graph.const(s_in)
@@ -160,11 +206,15 @@ class MatMulInt4(AbstractOp):
                      dtype=dt, shape=[k, n])
         else:
             w = b.op("Transpose", [_dequantize_onnx(b, b_in, s_in, z_in, k, n, bs, dt)], perm=[1, 0], dtype=dt, shape=[k, n])
-        attrs = {k: node.attr(k) for k in ("N", "splits", "activation") if node.attr(k) is not None}
+        attrs = {k: node.attr(k) for k in ("N", "splits", "activation", "norm_epsilon") if node.attr(k) is not None}
         try:
-            check_epilogue(attrs, f"MatMulInt4 node {node.describe()}", len(node.inputs[4:]), len(node.outputs))
+            where = f"MatMulInt4 node {node.describe()}"
+            addends, norm_weight = extra_inputs(attrs, list(node.inputs[4:]), where)
+            check_epilogue(attrs, where, len(addends) if any(addends) else 0, len(node.outputs))
         except ValueError as e:
             raise BackendError(str(e)) from None
+        if norm_weight:
+            a = rms_norm_onnx(b, a, norm_weight, float(attrs["norm_epsilon"]))
         splits = node.attr("splits")
         swiglu = node.attr("activation") == "swiglu"
         shapes = [graph.values[o].shape for o in node.outputs]
@@ -180,7 +230,7 @@ class MatMulInt4(AbstractOp):
                 graph.values[new].set_type(dt, shape)
         else:
             ys = [y]
-        for i, add in enumerate(node.inputs[4:]):  # the Adds the output-add rule fused
+        for i, add in enumerate(addends):  # the Adds the output-add rule fused
             if add:
                 ys[i] = b.op("Add", [ys[i], add], dtype=dt, shape=shapes[i])
         graph.replace_node(node, ys)
@@ -262,10 +312,14 @@ class MatMulInt4(AbstractOp):
         inside the dot product, the addends or SwiGLU in the store (the kernel source's header); for an A of one
         row (static shape) the ``_t1`` variant, one row per workgroup. Bindings A, B, scales, zero points (a dummy
         when absent), one addend per output (a dummy when absent), the outputs; push constants M, K, N,
-        block_size, has_zp, the first two split widths and add_mode (i32).
+        block_size, has_zp, the first two split widths and add_mode (i32). With ``norm_epsilon``: for a one-row A
+        the ``_t1..._norm`` kernel, the norm weight bound after the zero points and the epsilon's float32 bits a
+        ninth push constant; for a longer A a dispatch of the RMSNorm kernel first
+        (:func:`rewrite.plugins.rmsnorm.op.rms_norm_cuda_dispatch`).
 
         Raises:
-            BackendError: a target other than cuda, a dynamic K or N, K or the block size not a multiple of 8, or
+            BackendError: a target other than cuda, a dynamic K or N, K or the block size not a multiple of 8, K
+                over 8192 with ``norm_epsilon``, or
                 an operand outside the contract (:class:`_Types`).
         """
         if ctx.target != "cuda":
@@ -278,8 +332,11 @@ class MatMulInt4(AbstractOp):
         outs = len(t.widths)
         one_row = None not in t.a.dims[:-1] and int(np.prod(t.a.dims[:-1])) == 1  # decode: the *_t1 kernels
         tokens = 1 if one_row else CUDA_TOKENS
+        norm_in_kernel = t.norm is not None and one_row
+        if t.norm is not None and t.K > CUDA_MAX_H:
+            raise BackendError(f"MatMulInt4 {op.where}: K={t.K} with norm_epsilon; the CUDA kernels normalize rows of at most {CUDA_MAX_H}")
         variant = (f"{t.el}_v{vec}" + ("_t1" if one_row else "") + (f"_o{outs}" if outs > 1 else "")
-                   + ("_swiglu" if t.swiglu else ""))
+                   + ("_swiglu" if t.swiglu else "") + ("_norm" if norm_in_kernel else ""))
         kernel, name = f"matmul_int4_{variant}", CUDA_EXECUTABLE
         zp = "%in3" if t.has_zp else "%z"
         ztype = f"tensor<{t.N}x{t.nb}xi8>" if t.has_zp else "tensor<1xi8>"
@@ -295,6 +352,18 @@ class MatMulInt4(AbstractOp):
         rows, dyn, _ = row_count(t.a, t.N)
         results = [row_count(t.a, w)[2] for w in t.widths]
         n0, n1 = ((t.widths if not t.swiglu else []) + [0, 0])[:2]
+        items = {name: _cuda_executable(obj)}
+        a, norm, norm_type, consts, const_types = "%in0", "", "", "", ""
+        if norm_in_kernel:
+            norm, norm_type = f"%in{t.norm[0]}, ", f"{t.norm[1].builtin}, "
+            consts, const_types = ", %eps32", ", i32"
+            rows += f"\n    %eps32 = arith.constant {f32_bits(t.eps)} : i32"
+        elif t.norm is not None:  # several rows: the RMSNorm kernel's dispatch, then the plain product's
+            norm_body, norm_items = rms_norm_cuda_dispatch(ctx, "%in0", f"{t.a.builtin}{dyn}", f"%in{t.norm[0]}",
+                                                           t.norm[1].builtin, "%m", t.K, t.el, t.eps, "%an")
+            rows += "\n" + norm_body
+            items.update(norm_items)
+            a = "%an"
         # A and Y go to the kernel in their own shapes (a pointer is all it takes): reshapes around the dispatch
         # make iree-compile 3.13 fail in SinkReshapes ("failed to sink reshape ops") on a 6-layer model
         body = rows + f"""
@@ -311,13 +380,13 @@ class MatMulInt4(AbstractOp):
     %n0 = arith.constant {n0} : i32
     %n1 = arith.constant {n1} : i32
     %addm = arith.constant {t.add_mode()} : i32
-    %y{":" + str(outs) if outs > 1 else ""} = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %in2, {zp}, {", ".join(adds)}, %m32, %k32, %n32, %bs32, %zp32, %n0, %n1, %addm) :
-        ({t.a.builtin}{dyn}, tensor<{t.N}x{t.Kp}xi8>, tensor<{t.N}x{t.nb}x{t.el}>, {ztype}, {", ".join(add_types)}, i32, i32, i32, i32, i32, i32, i32, i32)
+    %y{":" + str(outs) if outs > 1 else ""} = flow.dispatch @{name}::@{kernel}[%gx, %gy]({a}, %in1, %in2, {zp}, {norm}{", ".join(adds)}, %m32, %k32, %n32, %bs32, %zp32, %n0, %n1, %addm{consts}) :
+        ({t.a.builtin}{dyn}, tensor<{t.N}x{t.Kp}xi8>, tensor<{t.N}x{t.nb}x{t.el}>, {ztype}, {norm_type}{", ".join(add_types)}, i32, i32, i32, i32, i32, i32, i32, i32{const_types})
         -> ({", ".join(r + dyn for r in results)})
 """
         for i, (r, o) in enumerate(zip(results, t.outs)):
             body += f"    %out{i} = tensor.cast %y{'#' + str(i) if outs > 1 else ''} : {r} to {o.builtin}\n"
-        return IreeLowering(body=body, module_items={name: _cuda_executable(obj)})
+        return IreeLowering(body=body, module_items=items)
 
 
 def _dequantize_onnx(b: Builder, codes: str, scales: str, zero_points: str, k: int, n: int, bs: int, dt: int) -> str:
@@ -352,10 +421,19 @@ class _Types:
         self.a, self.outs = a, op.result_types
         self.K, self.N, self.bs = int(op.attrs["K"]), int(op.attrs["N"]), int(op.attrs["block_size"])
         try:
-            addends = sum(t.element != "none" for t in op.operand_types[4:]) and len(op.operand_types[4:])
-            check_epilogue(op.attrs, f"MatMulInt4 {op.where}", addends, len(self.outs))
+            where = f"MatMulInt4 {op.where}"
+            extras = [None if t.element == "none" else t for t in op.operand_types[4:]]
+            add_types, norm = extra_inputs(op.attrs, extras, where)
+            check_epilogue(op.attrs, where, len(add_types) if any(t is not None for t in add_types) else 0, len(self.outs))
         except ValueError as e:
             raise BackendError(str(e)) from None
+        #: the norm weight's operand index and type, or None (the RMSNorm prologue)
+        self.norm: tuple[int, VTensor] | None = None
+        if norm is not None:
+            if norm.dims != [self.K] or norm.element != a.element:
+                raise BackendError(f"MatMulInt4 {op.where}: norm weight {norm.text}; [{self.K}] of A's element type expected")
+            self.norm = (4 + len(add_types), norm)
+            self.eps = float(op.attrs["norm_epsilon"])
         self.swiglu = op.attrs.get("activation") == "swiglu"
         self.widths = [self.N // 2] if self.swiglu else [int(w) for w in op.attrs.get("splits") or [self.N]]
         if (not self.swiglu and sum(self.widths) != self.N) or len(self.widths) != len(self.outs) or len(self.widths) > 3:
@@ -370,8 +448,8 @@ class _Types:
         self.has_zp = len(op.operand_types) > 3 and op.operand_types[3].element != "none"
         # per output: None, ("bias", type) for [width] or ("rows", type) for the output's own shape
         self.addends: list[tuple[str, VTensor] | None] = [None] * len(self.outs)
-        for i, t in enumerate(op.operand_types[4:]):
-            if t.element == "none":
+        for i, t in enumerate(add_types):
+            if t is None:
                 continue
             out = self.outs[i]
             if t.element != a.element or (t.dims != [self.widths[i]] and t.dims != out.dims):
@@ -380,7 +458,12 @@ class _Types:
             self.addends[i] = ("bias" if t.dims == [self.widths[i]] else "rows", t)
 
     def collapse(self) -> str:
-        return rows_view(self.a, self.K)
+        """``%a`` (A as ``tensor<?xKxel>``, normalized for ``norm_epsilon``) and ``%m`` (its rows)."""
+        if self.norm is None:
+            return rows_view(self.a, self.K)
+        k, t = self.norm
+        return (rows_view(self.a, self.K, "%a_in") + "\n"
+                + rms_norm_rows_linalg("%a_in", "%m", self.K, self.el, f"%in{k}", t.builtin, self.eps, "%a"))
 
     def add_mode(self) -> int:
         """The CUDA kernel's ``add_mode`` push constant: 2 bits per output, 0 none, 1 bias, 2 rows."""
@@ -461,25 +544,28 @@ class _Types:
     }} -> tensor<?x{h}x{el}>"""
 
 
-#: the kernels of kernels/matmul4_cuda.cu: (name, outputs), in the order of their ordinals
-CUDA_KERNELS = [(f"matmul_int4_{el}_v{vec}{t1}{suffix}", outs) for el in ("f16", "f32") for vec in (32, 8)
-                for t1 in ("", "_t1") for suffix, outs in (("", 1), ("_o2", 2), ("_o3", 3), ("_swiglu", 1))]
+#: the kernels of kernels/matmul4_cuda.cu: (name, outputs, with the RMSNorm prologue), in the order of their
+#: ordinals; the ``_norm`` kernels for one-row A only
+CUDA_KERNELS = [(f"matmul_int4_{el}_v{vec}{t1}{suffix}{norm}", outs, bool(norm)) for norm in ("", "_norm")
+                for el in ("f16", "f32") for vec in (32, 8) for t1 in ("", "_t1") if t1 or not norm
+                for suffix, outs in (("", 1), ("_o2", 2), ("_o3", 3), ("_swiglu", 1))]
 CUDA_EXECUTABLE = "matmul4_exec"
 
 
 def _cuda_executable(obj: str) -> str:
     """The ``hal.executable.source`` declaring every kernel of the PTX (:data:`CUDA_KERNELS`), each with 4 + outs
-    bindings read (A, B, scales, zero points, an addend per output), then outs written; 8 i32 push constants;
-    workgroups of CUDA_THREADS threads on the grid the dispatch's workload gives.
+    bindings read (A, B, scales, zero points, an addend per output; the ``_norm`` kernels the norm weight after
+    the zero points), then outs written; 8 i32 push constants (9 with the norm's epsilon); workgroups of
+    CUDA_THREADS threads on the grid the dispatch's workload gives.
 
     One executable for all: iree-compile 3.13 merges executables that differ only in their export's name
     (DeduplicateExecutables), so one per kernel would run the ``_swiglu`` kernel's dispatches on the plain one
     (same bindings); and the 2 MB of PTX are embedded once."""
     exports = []
-    for ordinal, (kernel, outs) in enumerate(CUDA_KERNELS):
+    for ordinal, (kernel, outs, norm) in enumerate(CUDA_KERNELS):
         exports.append(
             f"    hal.executable.export public @{kernel} ordinal({ordinal})\n"
-            f"        layout(#hal.pipeline.layout<constants = 8, bindings = [{kernel_bindings(4 + outs, outs)}]>)\n"
+            f"        layout(#hal.pipeline.layout<constants = {8 + norm}, bindings = [{kernel_bindings(4 + norm + outs, outs)}]>)\n"
             f"        count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{\n"
             f"      %c1 = arith.constant 1 : index\n      hal.return %gx, %gy, %c1 : index, index, index\n"
             f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>")

@@ -52,6 +52,30 @@ def norm_graph(*, dtype: int = TensorProto.FLOAT, h: int = 64, lead=(1, "T"), sq
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
 
 
+def rms_norm_nodes(x: str, dtype: int, h: int, rng: np.random.Generator, prefix: str = "norm") -> tuple[list, list, str]:
+    """(nodes, initializers, output name) of transformers' RMSNorm of value ``x`` [..., h] of ``dtype`` as its exporter
+    writes it: in float32 (f16 X between a Cast to float32 and one back), Pow, ReduceMean (opset 18 axes input), Add
+    eps 1e-6, Sqrt, Div, Mul weight (names prefixed by ``prefix``)."""
+    f32, p = TensorProto.FLOAT, prefix
+    inits = [numpy_helper.from_array(np.array(2.0, np.float32), f"{p}_two"), numpy_helper.from_array(np.array([-1], np.int64), f"{p}_axes"),
+             numpy_helper.from_array(np.array(1e-6, np.float32), f"{p}_eps"),
+             numpy_helper.from_array((1 + 0.1 * rng.standard_normal(h)).astype(_NP[dtype]), f"{p}_w")]
+    nodes, xf = [], x
+    if dtype != f32:
+        nodes.append(helper.make_node("Cast", [x], [f"{p}_xf"], to=f32))
+        xf = f"{p}_xf"
+    nodes += [helper.make_node("Pow", [xf, f"{p}_two"], [f"{p}_sq"]),
+              helper.make_node("ReduceMean", [f"{p}_sq", f"{p}_axes"], [f"{p}_mean"], keepdims=1),
+              helper.make_node("Add", [f"{p}_mean", f"{p}_eps"], [f"{p}_var"]), helper.make_node("Sqrt", [f"{p}_var"], [f"{p}_root"]),
+              helper.make_node("Div", [xf, f"{p}_root"], [f"{p}_normed"])]
+    normed = f"{p}_normed"
+    if dtype != f32:
+        nodes.append(helper.make_node("Cast", [normed], [f"{p}_normed_n"], to=dtype))
+        normed = f"{p}_normed_n"
+    nodes.append(helper.make_node("Mul", [normed, f"{p}_w"], [f"{p}_out"], name=f"{p}_mul"))
+    return nodes, inits, f"{p}_out"
+
+
 def rmsnorm_cases():
     f16 = TensorProto.FLOAT16
     return [

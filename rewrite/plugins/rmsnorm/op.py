@@ -37,7 +37,8 @@ from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 
 CUDA_THREADS = 256  #: THREADS in kernels/rmsnorm_cuda.cu
-CUDA_MAX_H = 8192  #: THREADS * PER_THREAD in kernels/rmsnorm_cuda.cu: a row's elements a workgroup holds
+CUDA_MAX_H = 8192  #: THREADS * PER_THREAD in kernels/rmsnorm_cuda.cu (a row's elements a workgroup holds); RMS_NORM_MAX_K
+#: in kernels/cuda_rows.h (the row matmul4's and densemm's prologues normalize into shared memory)
 CUDA_EXECUTABLE = "rmsnorm_exec"
 CUDA_KERNELS = ["rms_norm_f16", "rms_norm_f32"]
 
@@ -52,8 +53,92 @@ def check_shapes(x, weight, where: str) -> int:
     return x[-1]
 
 
-def _f32_bits(v: float) -> int:
+def f32_bits(v: float) -> int:
+    """The bits of ``v`` as a float32, as a signed 32-bit integer (how a push constant carries an epsilon)."""
     return struct.unpack("<i", struct.pack("<f", float(v)))[0]
+
+
+def rms_norm_onnx(b: Builder, x: str, weight: str, epsilon: float) -> str:
+    """The contract in standard ONNX ops, built with ``b`` after X (f32 or f16 [..., H]) and weight ([H], X's type):
+    ``[Cast(float32)] -> Mul(x, x) -> ReduceMean(-1) -> Add(eps) -> Sqrt -> Div -> [Cast back] -> Mul(weight)``
+    (ReduceMean's axes an attribute before opset 18). Returns Y's value name (X's dtype and shape)."""
+    graph = b.graph
+    xv = graph.values[x]
+    dt, f32 = xv.dtype, TensorProto.FLOAT
+    xf = b.op("Cast", [x], to=f32, dtype=f32) if dt != f32 else x
+    sq = b.op("Mul", [xf, xf], dtype=f32)
+    if (graph.opset() or 18) >= 18:
+        var = b.op("ReduceMean", [sq, b.const(np.array([-1], np.int64), "axes")], keepdims=1, dtype=f32)
+    else:  # before opset 18 ReduceMean takes its axes as an attribute
+        var = b.op("ReduceMean", [sq], axes=[-1], keepdims=1, dtype=f32)
+    eps = b.const(np.array(epsilon, np.float32), "eps")
+    normed = b.op("Div", [xf, b.op("Sqrt", [b.op("Add", [var, eps], dtype=f32)], dtype=f32)], dtype=f32)
+    normed = b.op("Cast", [normed], to=dt, dtype=dt) if dt != f32 else normed
+    return b.op("Mul", [normed, weight], dtype=dt, shape=xv.shape)
+
+
+def rms_norm_rows_linalg(x: str, m: str, h: int, el: str, weight: str, weight_type: str, epsilon: float, y: str) -> str:
+    """MLIR statements defining ``y`` (``tensor<?xHxel>``) = the contract over the rows of ``x``
+    (``tensor<?xHxel>`` with ``m`` rows, an index value), ``weight`` an operand of type ``weight_type`` ([H],
+    ``el``): a ``linalg.generic`` summing each row's squares in f32, then one elementwise ``linalg.generic``. Other
+    SSA names are prefixed by ``y``, so the statements can sit in any body."""
+    f16, p = el == "f16", y
+    rows = f"tensor<?x{h}x{el}>"
+    ext = (lambda v: f"{p}_{v}f = arith.extf %{v} : f16 to f32") if f16 else (lambda v: f"{p}_{v}f = arith.addf %{v}, {p}_zero : f32")  # noqa: E731
+    eps = "0x%08X" % (f32_bits(epsilon) & 0xFFFFFFFF)
+    rounded = (f"{p}_qh = arith.truncf {p}_q : f32 to f16\n      {p}_qr = arith.extf {p}_qh : f16 to f32" if f16
+               else f"{p}_qr = arith.addf {p}_q, {p}_zero : f32")
+    out = f"{p}_out = arith.truncf {p}_p : f32 to f16" if f16 else f"{p}_out = arith.addf {p}_p, {p}_zero : f32"
+    return f"""    {p}_zero = arith.constant 0.0 : f32
+    {p}_ss0 = tensor.empty({m}) : tensor<?xf32>
+    {p}_ss1 = linalg.fill ins({p}_zero : f32) outs({p}_ss0 : tensor<?xf32>) -> tensor<?xf32>
+    {p}_ss = linalg.generic {{indexing_maps = [affine_map<(r, h) -> (r, h)>, affine_map<(r, h) -> (r)>],
+                          iterator_types = ["parallel", "reduction"]}}
+        ins({x} : {rows}) outs({p}_ss1 : tensor<?xf32>) {{
+    ^bb0(%v: {el}, %acc: f32):
+      {ext("v")}
+      {p}_sq = arith.mulf {p}_vf, {p}_vf : f32
+      {p}_r = arith.addf %acc, {p}_sq : f32
+      linalg.yield {p}_r : f32
+    }} -> tensor<?xf32>
+    {p}_eps = arith.constant {eps} : f32
+    {p}_hn = arith.constant {float(h)!r} : f32
+    {p}_w = tensor.cast {weight} : {weight_type} to tensor<{h}x{el}>
+    {p}_y0 = tensor.empty({m}) : {rows}
+    {y} = linalg.generic {{indexing_maps = [affine_map<(r, h) -> (r, h)>, affine_map<(r, h) -> (r)>, affine_map<(r, h) -> (h)>,
+                                           affine_map<(r, h) -> (r, h)>],
+                          iterator_types = ["parallel", "parallel"]}}
+        ins({x}, {p}_ss, {p}_w : {rows}, tensor<?xf32>, tensor<{h}x{el}>) outs({p}_y0 : {rows}) {{
+    ^bb0(%v: {el}, %sum: f32, %wv: {el}, %o: {el}):
+      {ext("v")}
+      {ext("wv")}
+      {p}_mean = arith.divf %sum, {p}_hn : f32
+      {p}_a = arith.addf {p}_mean, {p}_eps : f32
+      {p}_s = math.sqrt {p}_a : f32
+      {p}_q = arith.divf {p}_vf, {p}_s : f32
+      {rounded}
+      {p}_p = arith.mulf {p}_qr, {p}_wvf : f32
+      {out}
+      linalg.yield {p}_out : {el}
+    }} -> {rows}
+"""
+
+
+def rms_norm_cuda_dispatch(ctx: PatchContext, x: str, x_type: str, weight: str, weight_type: str, m: str, h: int,
+                           el: str, epsilon: float, y: str) -> tuple[str, dict[str, str]]:
+    """(MLIR statements defining ``y``, of ``x_type``, the module items they need): one dispatch of
+    ``kernels/rmsnorm_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``rms_norm_<el>`` on ``m`` (an index value) workgroups
+    of 256 threads, a row of H = ``h`` each. ``x``: any shape of ``m`` rows of ``h`` (``x_type`` with its dynamic
+    dims, ``tensor<...>{...}``); bindings X, weight, Y; push constants M, H and the epsilon's float32 bits. Other SSA
+    names are prefixed by ``y``."""
+    obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "rmsnorm_cuda.cu"), ctx.cuda_arch))
+    body = f"""    {y}_m32 = arith.index_cast {m} : index to i32
+    {y}_h32 = arith.constant {h} : i32
+    {y}_eps32 = arith.constant {f32_bits(epsilon)} : i32
+    {y} = flow.dispatch @{CUDA_EXECUTABLE}::@rms_norm_{el}[{m}]({x}, {weight}, {y}_m32, {y}_h32, {y}_eps32) :
+        ({x_type}, {weight_type}, i32, i32, i32) -> {x_type}
+"""
+    return body, {CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 2, 1, 3, CUDA_THREADS, grid=1)}
 
 
 class RMSNorm(AbstractOp):
@@ -88,27 +173,15 @@ class RMSNorm(AbstractOp):
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
-        """The decomposition: ``[Cast(float32)] -> Mul(x, x) -> ReduceMean(-1) -> Add(eps) -> Sqrt -> Div -> [Cast
-        back] -> Mul(weight)``."""
+        """The decomposition (:func:`rms_norm_onnx`)."""
         x, weight = node.inputs[:2]
         xv = graph.values[x]
         try:
             check_shapes(xv.shape, graph.values[weight].shape, f"RMSNorm node {node.describe()}")
         except ValueError as e:
             raise BackendError(str(e)) from None
-        dt, f32 = xv.dtype, TensorProto.FLOAT
         b = Builder(graph, "lower/RMSNorm", node.order, node.name)
-        xf = b.op("Cast", [x], to=f32, dtype=f32) if dt != f32 else x
-        sq = b.op("Mul", [xf, xf], dtype=f32)
-        if (graph.opset() or 18) >= 18:
-            var = b.op("ReduceMean", [sq, b.const(np.array([-1], np.int64), "axes")], keepdims=1, dtype=f32)
-        else:  # before opset 18 ReduceMean takes its axes as an attribute
-            var = b.op("ReduceMean", [sq], axes=[-1], keepdims=1, dtype=f32)
-        eps = b.const(np.array(node.attr("epsilon"), np.float32), "eps")
-        normed = b.op("Div", [xf, b.op("Sqrt", [b.op("Add", [var, eps], dtype=f32)], dtype=f32)], dtype=f32)
-        normed = b.op("Cast", [normed], to=dt, dtype=dt) if dt != f32 else normed
-        y = b.op("Mul", [normed, weight], dtype=dt, shape=xv.shape)
-        graph.replace_node(node, [y])
+        graph.replace_node(node, [rms_norm_onnx(b, x, weight, float(node.attr("epsilon")))])
         graph.remove_unused_initializers()
 
     # ----------------------------------------------------------------- IREE
@@ -121,44 +194,8 @@ class RMSNorm(AbstractOp):
         if ctx.target != "llvm-cpu":
             raise BackendError(f"RMSNorm linalg lowering asked for target '{ctx.target}'")
         t = _Operands(op)
-        el, f16, h = t.el, t.el == "f16", t.h
-        rows = f"tensor<?x{h}x{el}>"
-        ext = (lambda v: f"%{v}f = arith.extf %{v} : f16 to f32") if f16 else (lambda v: f"%{v}f = arith.addf %{v}, %zero : f32")  # noqa: E731
-        eps = "0x%08X" % (_f32_bits(op.attrs["epsilon"]) & 0xFFFFFFFF)
-        body = t.rows_view() + f"""    %zero = arith.constant 0.0 : f32
-    %ss0 = tensor.empty(%m) : tensor<?xf32>
-    %ss1 = linalg.fill ins(%zero : f32) outs(%ss0 : tensor<?xf32>) -> tensor<?xf32>
-    %ss = linalg.generic {{indexing_maps = [affine_map<(r, h) -> (r, h)>, affine_map<(r, h) -> (r)>],
-                          iterator_types = ["parallel", "reduction"]}}
-        ins(%xr : {rows}) outs(%ss1 : tensor<?xf32>) {{
-    ^bb0(%v: {el}, %acc: f32):
-      {ext("v")}
-      %sq = arith.mulf %vf, %vf : f32
-      %r = arith.addf %acc, %sq : f32
-      linalg.yield %r : f32
-    }} -> tensor<?xf32>
-    %eps = arith.constant {eps} : f32
-    %hn = arith.constant {float(h)!r} : f32
-    %w = tensor.cast %in1 : {t.w.builtin} to tensor<{h}x{el}>
-    %y0 = tensor.empty(%m) : {rows}
-    %y = linalg.generic {{indexing_maps = [affine_map<(r, h) -> (r, h)>, affine_map<(r, h) -> (r)>, affine_map<(r, h) -> (h)>,
-                                           affine_map<(r, h) -> (r, h)>],
-                          iterator_types = ["parallel", "parallel"]}}
-        ins(%xr, %ss, %w : {rows}, tensor<?xf32>, tensor<{h}x{el}>) outs(%y0 : {rows}) {{
-    ^bb0(%v: {el}, %sum: f32, %wv: {el}, %o: {el}):
-      {ext("v")}
-      {ext("wv")}
-      %mean = arith.divf %sum, %hn : f32
-      %a = arith.addf %mean, %eps : f32
-      %s = math.sqrt %a : f32
-      %q = arith.divf %vf, %s : f32
-      {"%qh = arith.truncf %q : f32 to f16" + chr(10) + "      %qr = arith.extf %qh : f16 to f32" if f16 else "%qr = arith.addf %q, %zero : f32"}
-      %p = arith.mulf %qr, %wvf : f32
-      {"%out = arith.truncf %p : f32 to f16" if f16 else "%out = arith.addf %p, %zero : f32"}
-      linalg.yield %out : {el}
-    }} -> {rows}
-""" + t.rows_result("%y")
-        return IreeLowering(body=body)
+        body = t.rows_view() + rms_norm_rows_linalg("%xr", "%m", t.h, t.el, "%in1", t.w.builtin, op.attrs["epsilon"], "%y")
+        return IreeLowering(body=body + t.rows_result("%y"))
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One dispatch of ``kernels/rmsnorm_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``rms_norm_<el>``: a workgroup of
@@ -172,15 +209,10 @@ class RMSNorm(AbstractOp):
         t = _Operands(op)
         if t.h > CUDA_MAX_H:
             raise BackendError(f"RMSNorm {op.where}: H={t.h}; the CUDA kernel holds rows of at most {CUDA_MAX_H}")
-        obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "rmsnorm_cuda.cu"), ctx.cuda_arch))
         rows = f"tensor<?x{t.h}x{t.el}>"
-        body = t.rows_view() + f"""    %m32 = arith.index_cast %m : index to i32
-    %h32 = arith.constant {t.h} : i32
-    %eps32 = arith.constant {_f32_bits(op.attrs["epsilon"])} : i32
-    %y = flow.dispatch @{CUDA_EXECUTABLE}::@rms_norm_{t.el}[%m](%xr, %in1, %m32, %h32, %eps32) :
-        ({rows}{{%m}}, {t.w.builtin}, i32, i32, i32) -> {rows}{{%m}}
-""" + t.rows_result("%y")
-        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 2, 1, 3, CUDA_THREADS, grid=1)})
+        body, items = rms_norm_cuda_dispatch(ctx, "%xr", f"{rows}{{%m}}", "%in1", t.w.builtin, "%m", t.h, t.el,
+                                             op.attrs["epsilon"], "%y")
+        return IreeLowering(body=t.rows_view() + body + t.rows_result("%y"), module_items=items)
 
 
 class _Operands:

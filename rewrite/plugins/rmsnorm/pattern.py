@@ -1,12 +1,16 @@
-"""The RMSNorm subgraph as exporters write it, shared by the ``norm`` and ``rope`` rules."""
+"""The RMSNorm subgraph as exporters write it, shared by the ``norm`` and ``rope`` rules, and
+:func:`find_rms_norm` for the rules that take a norm into the op after it (``matmul4``'s and ``densemm``'s
+``rms-norm-prologue``)."""
 
 from __future__ import annotations
 
 import numpy as np
 from onnx import TensorProto
 
-from rewrite.core.ir import dtype_name
-from rewrite.core.pattern import AttrVar, Const, Or, Var
+from rewrite.core.abstract_ops import DOMAIN
+from rewrite.core.ir import Graph, Node, dtype_name
+from rewrite.core.matcher import Match, Matcher
+from rewrite.core.pattern import AttrVar, Const, Or, Pattern, Var
 
 
 def rms_norm(op, x0):
@@ -49,4 +53,32 @@ def norm_refusal(m, x0, last: int):
     h = x0.shape[-1] if x0.shape else None
     if w is None or wv.dtype != x0.dtype or list(w.shape) != [h]:
         return m.fail(f"the norm's weight '{m['weight']}' is not a constant [{h}] of X's type", m.node("norm_weight"))
+    return None
+
+
+_NORM = Pattern.trace(rms_norm, "")
+
+
+def find_rms_norm(graph: Graph, value: str) -> tuple[str, str, float, list[Node]] | str | None:
+    """The RMSNorm producing ``value``: ``(X0, weight, epsilon, its nodes)`` when it is an ``ai.rewrite::RMSNorm``
+    (the ``norm`` plugin's op) or the subgraph :func:`rms_norm` matches and :func:`norm_refusal` accepts, with no
+    value inside it read outside; the refusal reason when it is a norm that must stay; None when it is no norm."""
+    producer = graph.producer_node(value)
+    if producer is None:
+        return None
+    if producer.op_type == "RMSNorm" and producer.domain == DOMAIN:
+        return producer.inputs[0], producer.inputs[1], float(producer.attr("epsilon")), [producer]
+    if producer.op_type != "Mul" or producer.domain != "":
+        return None
+    for binding in Matcher(graph, _NORM).match_at(producer):
+        m = Match(graph, _NORM, binding)
+        x0 = m.value("x0")
+        if x0.shape is None or len(x0.shape) < 1:
+            return "the norm's input has no known rank"
+        bad = norm_refusal(m, x0, len(x0.shape) - 1)
+        if bad is not None:
+            return bad.reason
+        if m.used_outside():
+            return "a value inside the norm is read outside it"
+        return m["x0"], m["weight"], float(np.asarray(m.const("eps")).reshape(-1)[0]), m.nodes
     return None

@@ -11,10 +11,16 @@
 // decode step (M = 1) reads each weight byte once: a matrix-vector product bound by memory bandwidth (the LM head,
 // 151936 x 2048 in Qwen's models). Each lane takes 8 consecutive elements per step (16 bytes of f16); K must be a
 // multiple of 8 (the lowering checks), so every read is aligned.
+//
+// dense_matmul_norm_<type> (the ``rms-norm-prologue`` rule; one row of x, K <= RMS_NORM_MAX_K, grid
+// (ceil(N / WARPS), 1)): x is the input of an RMSNorm with weight nw [K] (a third binding, before y); each workgroup
+// first normalizes the row into shared memory, round(round(x / sqrt(mean_k(x * x) + eps)) * nw[k])
+// (ai.rewrite::RMSNorm's contract), and workgroup 0 also writes it to xn [K] (a second output, for the norm's other
+// readers); push constants m, k, n and the epsilon's float32 bits.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "../../kernels/cuda_rows.h"  // load8, store
+#include "../../kernels/cuda_rows.h"  // load8, store, rms_norm_row
 
 #define THREADS 256  // CUDA_THREADS in op.py
 #define WARPS (THREADS / 32)
@@ -54,6 +60,22 @@ __device__ void dense_matmul(const T* x, const T* w, T* y, int M, int K, int N) 
   }
 }
 
+// one row of x through its RMSNorm (nw, eps) into shared memory, then the product; workgroup 0 also writes the
+// normalized row to xn
+template <typename T>
+__device__ void dense_matmul_norm(const T* x, const T* w, const T* nw, T* y, T* xn, int K, int N, float eps) {
+  __shared__ __align__(16) T xs[RMS_NORM_MAX_K];
+  rms_norm_row<THREADS>(x, nw, eps, K, xs);  // every thread: barriers
+  if (blockIdx.x == 0) {
+    for (int k = threadIdx.x * 8; k < K; k += THREADS * 8)
+      *reinterpret_cast<uint4*>(xn + k) = *reinterpret_cast<const uint4*>(xs + k);
+    if (sizeof(T) == 4)  // f32: 8 elements are two 16-byte pieces
+      for (int k = threadIdx.x * 8 + 4; k < K; k += THREADS * 8)
+        *reinterpret_cast<uint4*>(xn + k) = *reinterpret_cast<const uint4*>(xs + k);
+  }
+  dense_matmul<T>(xs, w, y, 1, K, N);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_f16(const __half* x, const __half* w, __half* y,
                                                                        int m, int k, int n) {
   dense_matmul<__half>(x, w, y, m, k, n);
@@ -61,4 +83,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_f16(const __h
 extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_f32(const float* x, const float* w, float* y,
                                                                        int m, int k, int n) {
   dense_matmul<float>(x, w, y, m, k, n);
+}
+extern "C" __global__ void __launch_bounds__(THREADS)
+    dense_matmul_norm_f16(const __half* x, const __half* w, const __half* nw, __half* y, __half* xn, int m, int k, int n,
+                          int eps_bits) {
+  dense_matmul_norm<__half>(x, w, nw, y, xn, k, n, __int_as_float(eps_bits));
+}
+extern "C" __global__ void __launch_bounds__(THREADS)
+    dense_matmul_norm_f32(const float* x, const float* w, const float* nw, float* y, float* xn, int m, int k, int n,
+                          int eps_bits) {
+  dense_matmul_norm<float>(x, w, nw, y, xn, k, n, __int_as_float(eps_bits));
 }

@@ -14,6 +14,11 @@
 //   The *_swiglu kernels (the ``swiglu`` rule): w holds the gate's N/2 rows then the up projection's, and
 //   y [M, N/2] = silu(gate) * up, each step rounded to x's type as the ONNX Sigmoid, Mul, Mul it replaces;
 //   no addends (add_mode 0).
+//   The *_norm kernels (the ``rms-norm-prologue`` rule; one row of x, K <= RMS_NORM_MAX_K) take x before its
+//   RMSNorm: one more binding, the norm's weight nw [K] (after z), and a ninth push constant, the epsilon's float32
+//   bits; the workgroup first normalizes the row into shared memory, round(round(x / sqrt(mean_k(x * x) + eps)) *
+//   nw[k]) (ai.rewrite::RMSNorm's contract, the arithmetic of rewrite/plugins/rmsnorm/kernels/rmsnorm_cuda.cu; its
+//   sum of squares in another order), and its loop reads it from there.
 //
 // Grid (ceil(N / WARPS), ceil(M / TOKENS)) (N / 2 for *_swiglu), THREADS threads: warp w of workgroup (i, j)
 // computes output column n = i * WARPS + w for tokens j * TOKENS .. + TOKENS - 1 (with *_swiglu from weight rows n
@@ -25,7 +30,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "../../kernels/cuda_rows.h"  // load8, store, to_f, rounded
+#include "../../kernels/cuda_rows.h"  // load8, store, to_f, rounded, rms_norm_row
 
 #define THREADS 256  // CUDA_THREADS in op.py
 #define WARPS (THREADS / 32)
@@ -44,14 +49,21 @@ __device__ __forceinline__ void load_codes(const uint8_t* p, uint32_t* words) {
 }
 
 // ROWS = 1: output column n is weight row n. ROWS = 2 (*_swiglu): rows n (gate) and n + N / 2 (up).
-template <typename T, int VEC, int OUTS, int TOKENS, int ROWS>
-__device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint8_t* z, const T* a0, const T* a1,
-                            const T* a2, T* y0, T* y1, T* y2, int M, int K, int N, int bs, int has_zp, int n0, int n1,
-                            int add_mode) {
+// NORM: x is the RMSNorm's input (one row: TOKENS = 1), nw its weight (the *_norm kernels).
+template <typename T, int VEC, int OUTS, int TOKENS, int ROWS, bool NORM>
+__device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint8_t* z, const T* nw, const T* a0,
+                            const T* a1, const T* a2, T* y0, T* y1, T* y2, int M, int K, int N, int bs, int has_zp,
+                            int n0, int n1, int add_mode, float eps) {
   const int lane = threadIdx.x & 31;
   const int cols = N / ROWS;
   const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const int m0 = blockIdx.y * TOKENS;
+  static_assert(!NORM || TOKENS == 1, "the RMSNorm prologue normalizes one row");
+  if constexpr (NORM) {  // every thread: barriers; then x is the normalized row in shared memory
+    __shared__ __align__(16) T xs[RMS_NORM_MAX_K];
+    rms_norm_row<THREADS>(x + (size_t)m0 * K, nw, eps, K, xs);
+    x = xs - (size_t)m0 * K;
+  }
   if (n >= cols) return;
   const int tokens = min(TOKENS, M - m0);
   const int nb = (K + bs - 1) / bs;
@@ -130,23 +142,41 @@ __device__ void matmul_int4(const T* x, const uint8_t* w, const T* s, const uint
 
 #define PARAMS(T) const T *x, const uint8_t *w, const T *s, const uint8_t *z
 #define CONSTS int m, int k, int n, int bs, int has_zp, int n0, int n1, int add_mode
+#define CALL(T, VEC, OUTS, TOK, ROWS, NORM, nw, a0, a1, a2, y0, y1, y2, mode, eps)                               \
+  matmul_int4<T, VEC, OUTS, TOK, ROWS, NORM>(x, w, s, z, nw, a0, a1, a2, y0, y1, y2, m, k, n, bs, has_zp, n0, n1,  \
+                                             mode, eps)
 #define KERNELS(name, T, VEC, TOK)                                                                                 \
   extern "C" __global__ void __launch_bounds__(THREADS) name(PARAMS(T), const T* a0, T* y0, CONSTS) {             \
-    matmul_int4<T, VEC, 1, TOK, 1>(x, w, s, z, a0, nullptr, nullptr, y0, nullptr, nullptr, m, k, n, bs, has_zp,    \
-                                   n0, n1, add_mode);                                                             \
+    CALL(T, VEC, 1, TOK, 1, false, nullptr, a0, nullptr, nullptr, y0, nullptr, nullptr, add_mode, 0.f);           \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
       name##_o2(PARAMS(T), const T* a0, const T* a1, T* y0, T* y1, CONSTS) {                                      \
-    matmul_int4<T, VEC, 2, TOK, 1>(x, w, s, z, a0, a1, nullptr, y0, y1, nullptr, m, k, n, bs, has_zp, n0, n1,      \
-                                   add_mode);                                                                     \
+    CALL(T, VEC, 2, TOK, 1, false, nullptr, a0, a1, nullptr, y0, y1, nullptr, add_mode, 0.f);                      \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
       name##_o3(PARAMS(T), const T* a0, const T* a1, const T* a2, T* y0, T* y1, T* y2, CONSTS) {                  \
-    matmul_int4<T, VEC, 3, TOK, 1>(x, w, s, z, a0, a1, a2, y0, y1, y2, m, k, n, bs, has_zp, n0, n1, add_mode);     \
+    CALL(T, VEC, 3, TOK, 1, false, nullptr, a0, a1, a2, y0, y1, y2, add_mode, 0.f);                                \
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(THREADS) name##_swiglu(PARAMS(T), const T* a0, T* y0, CONSTS) {    \
-    matmul_int4<T, VEC, 1, TOK, 2>(x, w, s, z, a0, nullptr, nullptr, y0, nullptr, nullptr, m, k, n, bs, has_zp,    \
-                                   n0, n1, 0);                                                                    \
+    CALL(T, VEC, 1, TOK, 2, false, nullptr, a0, nullptr, nullptr, y0, nullptr, nullptr, 0, 0.f);                  \
+  }
+// with the RMSNorm prologue: one-row kernels only (decode; the lowering runs a longer A's norm as a dispatch of its own)
+#define NORM_KERNELS(name, T, VEC, TOK)                                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
+      name##_norm(PARAMS(T), const T* nw, const T* a0, T* y0, CONSTS, int eps_bits) {                             \
+    CALL(T, VEC, 1, TOK, 1, true, nw, a0, nullptr, nullptr, y0, nullptr, nullptr, add_mode, __int_as_float(eps_bits)); \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
+      name##_o2_norm(PARAMS(T), const T* nw, const T* a0, const T* a1, T* y0, T* y1, CONSTS, int eps_bits) {      \
+    CALL(T, VEC, 2, TOK, 1, true, nw, a0, a1, nullptr, y0, y1, nullptr, add_mode, __int_as_float(eps_bits));       \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS) name##_o3_norm(                                            \
+      PARAMS(T), const T* nw, const T* a0, const T* a1, const T* a2, T* y0, T* y1, T* y2, CONSTS, int eps_bits) {  \
+    CALL(T, VEC, 3, TOK, 1, true, nw, a0, a1, a2, y0, y1, y2, add_mode, __int_as_float(eps_bits));                 \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
+      name##_swiglu_norm(PARAMS(T), const T* nw, const T* a0, T* y0, CONSTS, int eps_bits) {                      \
+    CALL(T, VEC, 1, TOK, 2, true, nw, a0, nullptr, nullptr, y0, nullptr, nullptr, 0, __int_as_float(eps_bits));   \
   }
 
 KERNELS(matmul_int4_f16_v32, __half, 32, 8)
@@ -157,3 +187,7 @@ KERNELS(matmul_int4_f16_v32_t1, __half, 32, 1)
 KERNELS(matmul_int4_f16_v8_t1, __half, 8, 1)
 KERNELS(matmul_int4_f32_v32_t1, float, 32, 1)
 KERNELS(matmul_int4_f32_v8_t1, float, 8, 1)
+NORM_KERNELS(matmul_int4_f16_v32_t1, __half, 32, 1)
+NORM_KERNELS(matmul_int4_f16_v8_t1, __half, 8, 1)
+NORM_KERNELS(matmul_int4_f32_v32_t1, float, 32, 1)
+NORM_KERNELS(matmul_int4_f32_v8_t1, float, 8, 1)

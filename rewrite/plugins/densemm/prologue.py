@@ -1,0 +1,131 @@
+"""``rms-norm-prologue``: an RMSNorm moves into the float product after it, which also writes the normalized row.
+
+A decoder layer's post-attention norm feeds the router's MatMul, the experts and (Qwen1.5-MoE) the shared expert;
+at decode the norm is a launch of its own (BENCHMARKS.md, "Full-size decode on the H200": a step bound by its
+launches). The first float product reading it (a DenseMatMul, or a MatMul by a float initializer such as the
+router's [H, E] weight, too small for ``dense-float-matmul``) takes the norm's input and weight
+(:mod:`rewrite.plugins.densemm.op`, ``norm_epsilon``), and its second output is the normalized row for the norm's
+other readers::
+
+    N = RMSNorm(X0);  Y = MatMul(N, W);  ... other readers of N
+    ->  Y, N' = DenseMatMul(X0, W^T, norm_weight; norm_epsilon);  ... they read N'
+
+N may reach the products through a Reshape that keeps its last axis (an MoE block's ``view(-1, H)``): the norm is
+per row, so the Reshape moves before it (``Reshape(X0)`` is the op's input; the products read N' as they read the
+Reshape's output).
+
+On CUDA one launch then normalizes the row (every workgroup for itself; workgroup 0 writes N') and computes the
+product. The norm is the subgraph transformers' RMSNorm exports to or an ``ai.rewrite::RMSNorm``
+(:func:`rewrite.plugins.rmsnorm.pattern.find_rms_norm`). Exact: the op computes the norm as the RMSNorm contract
+does. A norm whose output is a graph output is left alone, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from rewrite.core.abstract_ops import DOMAIN
+from rewrite.core.driver import PluginReport
+from rewrite.core.ir import SINK, Graph, Node
+from rewrite.core.rules import Builder
+from rewrite.plugins.rmsnorm.pattern import find_rms_norm
+
+NORM_PROLOGUE = "rms-norm-prologue"
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+def _weight(graph: Graph, node: Node, k_multiple: int) -> np.ndarray | str | None:
+    """W [N, K] of a product that can take a norm (a DenseMatMul without one, or a MatMul by a float initializer
+    [K, N] read by it only, of A's dtype), or a refusal reason; None for other nodes."""
+    if node.domain == DOMAIN and node.op_type == "DenseMatMul":
+        return None if node.attr("norm_epsilon") is not None else graph.const(node.inputs[1])
+    if node.domain != "" or node.op_type != "MatMul":
+        return None
+    w, wv = graph.const(node.inputs[1]), graph.values[node.inputs[1]]
+    if w is None or not wv.is_initializer or w.ndim != 2 or wv.dtype not in _FLOATS:
+        return None
+    if wv.dtype != graph.values[node.inputs[0]].dtype or len(graph.uses(node.inputs[1])) != 1:
+        return "the weight is of another dtype than A or read elsewhere too"
+    if w.shape[0] % k_multiple:
+        return f"K={w.shape[0]}: the CUDA kernel reads rows in multiples of {k_multiple}"
+    return np.ascontiguousarray(w.T)
+
+
+def _norm_through_reshape(graph: Graph, a: str):
+    """``(find_rms_norm's answer for the Reshape's input, the Reshape)`` when ``a`` is a Reshape's output, keeping
+    the last dim, of a norm's output read by that Reshape only; None otherwise."""
+    r = graph.producer_node(a)
+    if r is None or r.op_type != "Reshape" or r.domain != "":
+        return None
+    inner = r.inputs[0]
+    found = find_rms_norm(graph, inner)
+    if found is None or len(graph.uses(inner)) != 1 or graph.is_graph_output(inner):
+        return None
+    src, dst = graph.values[inner].shape, graph.values[a].shape
+    if not src or not dst or not isinstance(src[-1], int) or src[-1] != dst[-1]:
+        return "the Reshape after the norm changes its last dim"
+    return found, r
+
+
+def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 1, max_k: int | None = None,
+                       dry_run: bool = False) -> int:
+    """The rule (module docstring): per RMSNorm, the first product reading it (in graph order) takes it. Products
+    need K a multiple of ``k_multiple`` and at most ``max_k`` (the CUDA kernel's rows; None: any). Returns the
+    number of norms fused, recorded in ``report``."""
+    rr = report.rule(NORM_PROLOGUE)
+    fused, seen = 0, set()
+    for node in sorted(graph, key=lambda n: n.order):
+        if node.id not in graph.nodes or not node.inputs:
+            continue
+        a = node.inputs[0]
+        if a in seen:
+            continue
+        w = _weight(graph, node, k_multiple)
+        if w is None:
+            continue
+        found, reshape = find_rms_norm(graph, a), None
+        if found is None:
+            through = _norm_through_reshape(graph, a)
+            if through is None:
+                continue
+            found, reshape = through if isinstance(through, tuple) else (through, None)
+        seen.add(a)
+        if isinstance(w, str) or isinstance(found, str):
+            rr.refuse(w if isinstance(w, str) else found, node.name)
+            continue
+        x0, weight, eps, norm_nodes = found
+        av, xv, wv = graph.values[a], graph.values[x0], graph.values[weight]
+        k = w.shape[1]
+        if max_k is not None and k > max_k:
+            rr.refuse(f"K={k}: the CUDA kernel normalizes rows of at most {max_k}", node.name)
+            continue
+        if graph.is_graph_output(a) or node.inputs.count(a) != 1:
+            rr.refuse("the norm's output is a graph output or read twice by the product", node.name)
+            continue
+        if xv.dtype != av.dtype or wv.dtype != av.dtype or list(wv.shape or []) != [k] or (xv.shape or [None])[-1] != k:
+            rr.refuse(f"the norm's input {xv.shape} or weight {wv.shape} is not [..., K={k}] and [K] of A's dtype", node.name)
+            continue
+        others = [c for c, _ in graph.uses(a) if c != node.id]
+        fused += 1
+        rr.applied(removed=len(norm_nodes) + 1 + (reshape is not None), added=1 + (reshape is not None))
+        if dry_run:
+            continue
+        graph.ensure_opset(DOMAIN)
+        b = Builder(graph, NORM_PROLOGUE, node.order, node.name)
+        wt = node.inputs[1] if node.op_type == "DenseMatMul" else b.const(w, "weight")
+        y = graph.values[node.outputs[0]]
+        if reshape is not None:  # the norm is per row: the Reshape, keeping the last dim, goes before it
+            x0 = b.op("Reshape", [x0, reshape.inputs[1]], allowzero=int(reshape.attr("allowzero", 0)), dtype=av.dtype, shape=av.shape)
+            norm_nodes = [*norm_nodes, reshape]
+        outs = b.op("DenseMatMul", [x0, wt, weight], domain=DOMAIN, outputs=2 if others else 1, norm_epsilon=eps)
+        outs = [outs] if isinstance(outs, str) else list(outs)
+        graph.values[outs[0]].set_type(y.dtype, y.shape)
+        graph.replace_node(node, [outs[0]])
+        if others:
+            graph.values[outs[1]].set_type(av.dtype, av.shape)
+            graph.replace_all_uses(a, outs[1])
+        graph.remove_dead_nodes([n.id for n in reversed(norm_nodes) if n.id in graph.nodes])
+    if fused and not dry_run:
+        graph.remove_unused_initializers()
+    return fused
