@@ -56,3 +56,30 @@ def test_seed_form_fp16_cuda_step(tmp_path):
     mlir = (tmp_path / "rms" / "model.mlir").read_text()
     assert len(re.findall(r"flow\.dispatch @rmsnorm_exec::@rms_norm_f16\[", mlir)) == 5
     assert counts["own"]["dispatches"] - counts["rms"]["dispatches"] == 5
+
+
+def test_find_rms_norm_tries_each_way_the_norm_matches():
+    """An f16 X cast to float32 before a norm computed in float32 with a float32 weight: the match that takes the
+    Cast into the norm is refused (no Cast back to f16), the one whose input is the Cast's output is the norm;
+    ``find_rms_norm`` (the prologue rules' finder) returns that one, not the first refusal."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from rewrite.core import onnx_io
+    from rewrite.core.shapes import infer_shapes
+    from rewrite.plugins.rmsnorm.pattern import find_rms_norm
+
+    f32 = TensorProto.FLOAT
+    inits = [numpy_helper.from_array(np.array(2.0, np.float32), "two"), numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+             numpy_helper.from_array(np.array(1e-6, np.float32), "eps"), numpy_helper.from_array(np.ones(16, np.float32), "w")]
+    nodes = [helper.make_node("Cast", ["X"], ["X32"], to=f32), helper.make_node("Pow", ["X32", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1), helper.make_node("Add", ["mean", "eps"], ["var"]),
+             helper.make_node("Sqrt", ["var"], ["root"]), helper.make_node("Div", ["X32", "root"], ["normed"]),
+             helper.make_node("Mul", ["normed", "w"], ["Y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT16, [2, 16])],
+                          [helper.make_tensor_value_info("Y", f32, [2, 16])], inits)
+    graph = onnx_io.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+    infer_shapes(graph)
+    found = find_rms_norm(graph, "Y")
+    assert not isinstance(found, str) and found[:3] == ("X32", "w", pytest.approx(1e-6))
+    assert sorted(n.op_type for n in found[3]) == ["Add", "Div", "Mul", "Pow", "ReduceMean", "Sqrt"]

@@ -34,14 +34,17 @@ def head(*, dtype: int = TensorProto.FLOAT, k: int = 64, n: int = MIN_ELEMENTS /
 
 
 def normed_router(*, dtype: int = TensorProto.FLOAT, k: int = 64, experts: int = 8, gate: bool = False,
-                  tap: bool = False, reshape: bool = False, seed: int = 0) -> onnx.ModelProto:
+                  tap: bool = False, reshape: bool = False, shape_reader: bool = False, seed: int = 0) -> onnx.ModelProto:
     """X [1, T, k] -> transformers' RMSNorm -> N; L = MatMul(N, W [k, experts]) (a router), Z = Relu(N) (the experts'
     input: another reader), with ``gate`` G = MatMul(N, g [k, 1]) first (a one-column shared-expert gate, which
     ``dense-float-matmul`` takes); ``tap``: N is a graph output too (not fused); ``reshape``: the readers take N
-    through a Reshape to [T, k] (an MoE block's ``view(-1, H)``) and the outputs are [T, ...]."""
+    through a Reshape to [T, k] (an MoE block's ``view(-1, H)``) and the outputs are [T, ...]; ``shape_reader``: a
+    Shape of N too (``b, s, h = x.shape`` before the view) -> graph output S."""
     rng = np.random.default_rng(seed)
     nodes, inits, n = rms_norm_nodes("X", dtype, k, rng)
     lead = [1, "T"]
+    if shape_reader:
+        nodes.append(helper.make_node("Shape", [n], ["S"], name="shape"))
     if reshape:
         inits.append(numpy_helper.from_array(np.array([-1, k], np.int64), "rows"))
         nodes.append(helper.make_node("Reshape", [n, "rows"], ["NR"], name="view"))
@@ -56,6 +59,8 @@ def normed_router(*, dtype: int = TensorProto.FLOAT, k: int = 64, experts: int =
     outs += [helper.make_tensor_value_info("L", dtype, [*lead, experts]), helper.make_tensor_value_info("Z", dtype, [*lead, k])]
     if tap:
         outs.append(helper.make_tensor_value_info(n, dtype, [*lead, k]))
+    if shape_reader:
+        outs.append(helper.make_tensor_value_info("S", TensorProto.INT64, [3]))
     g = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info("X", dtype, [1, "T", k])], outs, inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
 
@@ -74,7 +79,8 @@ def densemm_cases() -> list:
         positive("norm-prologue-router", normed_router, {"dense-float-matmul": 0, "rms-norm-prologue": 1}, options=PROLOGUE),
         positive("norm-prologue-gate-first-f16", lambda: normed_router(dtype=TensorProto.FLOAT16, k=1024, experts=60, gate=True),
                  {"dense-float-matmul": 1, "rms-norm-prologue": 1}, rtol=1e-2, options=PROLOGUE),
-        positive("norm-prologue-through-reshape-f16", lambda: normed_router(dtype=TensorProto.FLOAT16, k=128, gate=True, reshape=True),
+        positive("norm-prologue-through-reshape-f16",
+                 lambda: normed_router(dtype=TensorProto.FLOAT16, k=128, gate=True, reshape=True, shape_reader=True),
                  {"dense-float-matmul": 0, "rms-norm-prologue": 1}, rtol=2e-2, options=PROLOGUE),
         positive("norm-prologue-graph-output", lambda: normed_router(tap=True), {"dense-float-matmul": 0, "rms-norm-prologue": 0},
                  options=PROLOGUE),

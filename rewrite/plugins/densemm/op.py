@@ -79,11 +79,12 @@ class DenseMatMul(AbstractOp):
         also ``A_normed``.
 
         Raises:
-            BackendError: the norm weight and ``norm_epsilon`` not together."""
+            BackendError: the norm weight, ``norm_epsilon`` and a second output not together."""
         a, w = node.inputs[:2]
         norm = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else ""
-        if bool(norm) != (node.attr("norm_epsilon") is not None):
-            raise BackendError(f"DenseMatMul node {node.describe()}: the norm weight (input 2) goes with norm_epsilon")
+        if bool(norm) != (node.attr("norm_epsilon") is not None) or (len(node.outputs) > 1 and not norm):
+            raise BackendError(f"DenseMatMul node {node.describe()}: the norm weight (input 2) and the second output "
+                               "(A_normed) go with norm_epsilon")
         dt = graph.values[a].dtype
         b = Builder(graph, "lower/DenseMatMul", node.order, node.name)
         if norm:
@@ -220,11 +221,13 @@ def _norm(op: TorchOperator, k: int) -> VTensor | None:
     """The norm weight's type of an imported DenseMatMul with ``norm_epsilon``, else None.
 
     Raises:
-        BackendError: the norm weight and ``norm_epsilon`` not together, or a weight not [K] of A's element type."""
+        BackendError: the norm weight, ``norm_epsilon`` and a second output not together, or a weight not [K] of
+            A's element type."""
     types = op.operand_types
     norm = types[2] if len(types) > 2 and types[2].element != "none" else None
-    if (norm is None) != (op.attrs.get("norm_epsilon") is None):
-        raise BackendError(f"DenseMatMul {op.where}: the norm weight (input 2) goes with norm_epsilon")
+    if (norm is None) != (op.attrs.get("norm_epsilon") is None) or (len(op.result_types) > 1 and norm is None):
+        raise BackendError(f"DenseMatMul {op.where}: the norm weight (input 2) and the second output (A_normed) go "
+                           "with norm_epsilon")
     if norm is not None and (norm.dims != [k] or norm.element != types[0].element):
         raise BackendError(f"DenseMatMul {op.where}: norm weight {norm.text}; [{k}] of A's element type expected")
     return norm

@@ -16,8 +16,11 @@ Reshape's output).
 
 On CUDA one launch then normalizes the row (every workgroup for itself; workgroup 0 writes N') and computes the
 product. The norm is the subgraph transformers' RMSNorm exports to or an ``ai.rewrite::RMSNorm``
-(:func:`rewrite.plugins.rmsnorm.pattern.find_rms_norm`). Exact: the op computes the norm as the RMSNorm contract
-does. A norm whose output is a graph output is left alone, with the reason in the report.
+(:func:`rewrite.plugins.rmsnorm.pattern.find_rms_norm`). The op computes the norm as the RMSNorm contract does
+(float32 inside; the normalized row and its product with the weight rounded to A's dtype); the CUDA kernel sums the
+squares in another order (within the conformance tolerance, not bit for bit). A norm whose output is a graph
+output is left alone, with the reason in the report; when the first product reading a norm is refused, the next
+one is tried.
 """
 
 from __future__ import annotations
@@ -37,35 +40,56 @@ _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 
 def _weight(graph: Graph, node: Node, k_multiple: int) -> np.ndarray | str | None:
     """W [N, K] of a product that can take a norm (a DenseMatMul without one, or a MatMul by a float initializer
-    [K, N] read by it only, of A's dtype), or a refusal reason; None for other nodes."""
+    [K, N] read by it only, of A's dtype; A of rank 2 or more, K a multiple of ``k_multiple``), or a refusal
+    reason; None for other nodes."""
     if node.domain == DOMAIN and node.op_type == "DenseMatMul":
-        return None if node.attr("norm_epsilon") is not None else graph.const(node.inputs[1])
-    if node.domain != "" or node.op_type != "MatMul":
+        if node.attr("norm_epsilon") is not None or len(node.outputs) != 1:
+            return None
+        w = graph.const(node.inputs[1])
+        if w is None:
+            return None
+    elif node.domain == "" and node.op_type == "MatMul":
+        w, wv = graph.const(node.inputs[1]), graph.values[node.inputs[1]]
+        if w is None or not wv.is_initializer or w.ndim != 2 or wv.dtype not in _FLOATS:
+            return None
+        if wv.dtype != graph.values[node.inputs[0]].dtype or len(graph.uses(node.inputs[1])) != 1:
+            return "the weight is of another dtype than A or read elsewhere too"
+        w = np.ascontiguousarray(w.T)
+    else:
         return None
-    w, wv = graph.const(node.inputs[1]), graph.values[node.inputs[1]]
-    if w is None or not wv.is_initializer or w.ndim != 2 or wv.dtype not in _FLOATS:
-        return None
-    if wv.dtype != graph.values[node.inputs[0]].dtype or len(graph.uses(node.inputs[1])) != 1:
-        return "the weight is of another dtype than A or read elsewhere too"
-    if w.shape[0] % k_multiple:
-        return f"K={w.shape[0]}: the CUDA kernel reads rows in multiples of {k_multiple}"
-    return np.ascontiguousarray(w.T)
+    a = graph.values[node.inputs[0]]
+    if a.shape is None or len(a.shape) < 2:
+        return f"A '{node.inputs[0]}' has shape {a.shape}; rank 2 or more expected"
+    if w.shape[1] % k_multiple:
+        return f"K={w.shape[1]}: the CUDA kernel reads rows in multiples of {k_multiple}"
+    return w
 
 
 def _norm_through_reshape(graph: Graph, a: str):
     """``(find_rms_norm's answer for the Reshape's input, the Reshape)`` when ``a`` is a Reshape's output, keeping
-    the last dim, of a norm's output read by that Reshape only; None otherwise."""
+    the last dim, of a norm's output read by that Reshape only (and Shape ops: :func:`_shape_readers`); None
+    otherwise."""
     r = graph.producer_node(a)
     if r is None or r.op_type != "Reshape" or r.domain != "":
         return None
     inner = r.inputs[0]
     found = find_rms_norm(graph, inner)
-    if found is None or len(graph.uses(inner)) != 1 or graph.is_graph_output(inner):
+    others = [c for c, _ in graph.uses(inner) if c != r.id]
+    if found is None or graph.is_graph_output(inner) or _shape_readers(graph, others) is None:
         return None
     src, dst = graph.values[inner].shape, graph.values[a].shape
     if not src or not dst or not isinstance(src[-1], int) or src[-1] != dst[-1]:
         return "the Reshape after the norm changes its last dim"
     return found, r
+
+
+def _shape_readers(graph: Graph, readers: list[int]) -> list[Node] | None:
+    """The nodes ``readers`` when every one is a Shape op (it may read the norm's input instead: a norm keeps its
+    shape), else None."""
+    nodes = [graph.node(c) for c in readers if c != SINK]
+    if len(nodes) != len(readers) or any(n.op_type != "Shape" or n.domain != "" for n in nodes):
+        return None
+    return nodes
 
 
 def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 1, max_k: int | None = None,
@@ -90,7 +114,6 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
             if through is None:
                 continue
             found, reshape = through if isinstance(through, tuple) else (through, None)
-        seen.add(a)
         if isinstance(w, str) or isinstance(found, str):
             rr.refuse(w if isinstance(w, str) else found, node.name)
             continue
@@ -107,6 +130,7 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
             rr.refuse(f"the norm's input {xv.shape} or weight {wv.shape} is not [..., K={k}] and [K] of A's dtype", node.name)
             continue
         others = [c for c, _ in graph.uses(a) if c != node.id]
+        seen.add(a)
         fused += 1
         rr.applied(removed=len(norm_nodes) + 1 + (reshape is not None), added=1 + (reshape is not None))
         if dry_run:
@@ -116,7 +140,10 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
         wt = node.inputs[1] if node.op_type == "DenseMatMul" else b.const(w, "weight")
         y = graph.values[node.outputs[0]]
         if reshape is not None:  # the norm is per row: the Reshape, keeping the last dim, goes before it
-            x0 = b.op("Reshape", [x0, reshape.inputs[1]], allowzero=int(reshape.attr("allowzero", 0)), dtype=av.dtype, shape=av.shape)
+            for shape in _shape_readers(graph, [c for c, _ in graph.uses(reshape.inputs[0]) if c != reshape.id]):
+                graph.set_input(shape, 0, x0)
+            kept = {"allowzero": reshape.attr("allowzero")} if reshape.attr("allowzero") is not None else {}
+            x0 = b.op("Reshape", [x0, reshape.inputs[1]], **kept, dtype=av.dtype, shape=av.shape)
             norm_nodes = [*norm_nodes, reshape]
         outs = b.op("DenseMatMul", [x0, wt, weight], domain=DOMAIN, outputs=2 if others else 1, norm_epsilon=eps)
         outs = [outs] if isinstance(outs, str) else list(outs)

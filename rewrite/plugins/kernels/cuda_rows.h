@@ -32,7 +32,8 @@ __device__ __forceinline__ void load8(const float* p, float* out) {
 // returned to every thread of the workgroup: each thread sums the squares of 8 elements per step of 8 * THREADS
 // (one step for K <= 8 * THREADS: one memory round trip), then the warps' sums meet through shared memory. Every
 // thread of the workgroup must call it (a barrier). ai.rewrite::RMSNorm's arithmetic (rmsnorm_cuda.cu), its sum in
-// another order.
+// another order. Its shared memory is read after its barrier: a second call in one kernel needs a barrier between
+// (rms_norm_row ends with one).
 template <int THREADS, typename T>
 __device__ __forceinline__ float rms_denominator(const T* x, int K, float eps) {
   __shared__ float warp_sums[THREADS / 32];

@@ -61,24 +61,26 @@ _NORM = Pattern.trace(rms_norm, "")
 
 def find_rms_norm(graph: Graph, value: str) -> tuple[str, str, float, list[Node]] | str | None:
     """The RMSNorm producing ``value``: ``(X0, weight, epsilon, its nodes)`` when it is an ``ai.rewrite::RMSNorm``
-    (the ``norm`` plugin's op) or the subgraph :func:`rms_norm` matches and :func:`norm_refusal` accepts, with no
-    value inside it read outside; the refusal reason when it is a norm that must stay; None when it is no norm."""
+    (the ``norm`` plugin's op) or a match of the subgraph :func:`rms_norm` (each way it matches, in turn: with an
+    f16 X, the Cast to float32 inside the norm or before it) that :func:`norm_refusal` accepts, with no value inside
+    it read outside; else the first match's refusal reason (a norm that must stay); None when it is no norm."""
     producer = graph.producer_node(value)
     if producer is None:
         return None
     if producer.op_type == "RMSNorm" and producer.domain == DOMAIN:
+        if producer.attr("epsilon") is None or len(producer.inputs) < 2:
+            return f"the RMSNorm {producer.describe()} has no epsilon or no weight"
         return producer.inputs[0], producer.inputs[1], float(producer.attr("epsilon")), [producer]
     if producer.op_type != "Mul" or producer.domain != "":
         return None
+    first = None
     for binding in Matcher(graph, _NORM).match_at(producer):
         m = Match(graph, _NORM, binding)
         x0 = m.value("x0")
-        if x0.shape is None or len(x0.shape) < 1:
-            return "the norm's input has no known rank"
-        bad = norm_refusal(m, x0, len(x0.shape) - 1)
-        if bad is not None:
-            return bad.reason
-        if m.used_outside():
-            return "a value inside the norm is read outside it"
-        return m["x0"], m["weight"], float(np.asarray(m.const("eps")).reshape(-1)[0]), m.nodes
-    return None
+        bad = norm_refusal(m, x0, len(x0.shape) - 1) if x0.shape else None
+        why = ("the norm's input has no known rank" if not x0.shape else bad.reason if bad is not None
+               else "a value inside the norm is read outside it" if m.used_outside() else None)
+        if why is None:
+            return m["x0"], m["weight"], float(np.asarray(m.const("eps")).reshape(-1)[0]), m.nodes
+        first = first or why
+    return first
