@@ -187,3 +187,27 @@ def test_norm_epsilon_without_its_weight_is_a_clear_error(backend, tmp_path):
     model = single_op_model(op, attrs, inputs, [out])
     with pytest.raises(BackendError, match=r"MatMulInt4 .*with norm_epsilon, inputs 4 \.\. 4 are the addends .* input 5 the norm weight"):
         lower_graph(onnx_io.load(model), backend, tmp_path / backend, [op])
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_norm_prologues_after_the_norm_plugin(seed_fp32, tmp_path, backend):
+    """With the ``norm`` plugin first (its RMSNorm ops, the order the full-size decode runs in) and the prologues
+    forced on (their default is IREE cuda only): every input norm goes into its layer's q/k/v MatMulInt4, every
+    post-attention norm into its router's product through the MoE block's Reshape and the final norm into the LM
+    head, no RMSNorm is left, and the model decodes the quantized model's greedy tokens with its logits (ONNX
+    Runtime and IREE llvm-cpu lower the norms back)."""
+    plugins = "cast,norm,quant4,matmul4,densemm,kv,topk,moe" + (",legalize,expand" if backend == "iree" else "")
+    opts = {"matmul4": {"prologue": True}, "densemm": {"prologue": True}}
+    apply(seed_fp32[0], tmp_path / "ref", plugins="quant4", backend="ort", options={"ort_matmul_nbits": False})
+    m = apply(seed_fp32[0], tmp_path / "p", plugins=plugins, backend=backend, options={**opts, "stateful": backend == "iree"})
+    rules = {(r["plugin"], x["rule"]): x["matches"] for r in m.report for x in r["rules"]}
+    layers = 2
+    assert rules[("norm", "rms-norm")] == 2 * layers + 1
+    assert rules[("matmul4", "rms-norm-prologue")] == layers
+    assert rules[("densemm", "rms-norm-prologue")] == layers + 1
+    if backend == "iree":
+        assert _ops(tmp_path / "p", "RMSNorm") == 0
+    got = Generator(tmp_path / "p").generate(PROMPT, 8)
+    ref = Generator.reference(tmp_path / "ref" / "model.onnx").generate(PROMPT, 8)
+    assert got.tokens == ref.tokens
+    assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4

@@ -9,10 +9,11 @@ kernel for one row normalizes the row in its prologue::
     ->  Y.. = MatMulInt4(X0, ..., norm_weight; norm_epsilon)   (the Shape ops read X0: the norm keeps its shape)
 
 The norm is the subgraph transformers' RMSNorm exports to or an ``ai.rewrite::RMSNorm`` the ``norm`` plugin made
-(:func:`rewrite.plugins.rmsnorm.pattern.find_rms_norm`). The op's contract computes the norm as that op does (float32
-inside; the normalized row and its product with the weight rounded to A's dtype); the CUDA kernels sum the squares in
-another order (within the conformance tolerance, not bit for bit). Norms with other readers (the post-attention norm feeds the router and the
-experts), graph outputs and norms of another width or dtype are left alone, with the reason in the report.
+(:func:`rewrite.plugins.rmsnorm.pattern.find_rms_norm`). The op's contract computes the norm as that op does
+(float32 inside; the normalized row and its product with the weight rounded to A's dtype); the CUDA kernels sum
+the squares in another order (within the conformance tolerance, not bit for bit). Norms with other readers (the
+post-attention norm feeds the router and the experts: ``densemm``'s rule takes those), graph outputs and norms of
+another width or dtype are left alone, with the reason in the report.
 """
 
 from __future__ import annotations
