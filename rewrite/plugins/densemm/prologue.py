@@ -30,9 +30,9 @@ from onnx import TensorProto
 
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport
-from rewrite.core.ir import SINK, Graph, Node
+from rewrite.core.ir import Graph, Node
 from rewrite.core.rules import Builder
-from rewrite.plugins.rmsnorm.pattern import find_rms_norm
+from rewrite.plugins.rmsnorm.pattern import find_rms_norm, norm_misfit, shape_readers
 
 NORM_PROLOGUE = "rms-norm-prologue"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
@@ -67,29 +67,19 @@ def _weight(graph: Graph, node: Node, k_multiple: int) -> np.ndarray | str | Non
 
 def _norm_through_reshape(graph: Graph, a: str):
     """``(find_rms_norm's answer for the Reshape's input, the Reshape)`` when ``a`` is a Reshape's output, keeping
-    the last dim, of a norm's output read by that Reshape only (and Shape ops: :func:`_shape_readers`); None
-    otherwise."""
+    the last dim, of a norm's output read by that Reshape only (and Shape ops); None otherwise."""
     r = graph.producer_node(a)
     if r is None or r.op_type != "Reshape" or r.domain != "":
         return None
     inner = r.inputs[0]
     found = find_rms_norm(graph, inner)
     others = [c for c, _ in graph.uses(inner) if c != r.id]
-    if found is None or graph.is_graph_output(inner) or _shape_readers(graph, others) is None:
+    if found is None or graph.is_graph_output(inner) or shape_readers(graph, others) is None:
         return None
     src, dst = graph.values[inner].shape, graph.values[a].shape
     if not src or not dst or not isinstance(src[-1], int) or src[-1] != dst[-1]:
         return "the Reshape after the norm changes its last dim"
     return found, r
-
-
-def _shape_readers(graph: Graph, readers: list[int]) -> list[Node] | None:
-    """The nodes ``readers`` when every one is a Shape op (it may read the norm's input instead: a norm keeps its
-    shape), else None."""
-    nodes = [graph.node(c) for c in readers if c != SINK]
-    if len(nodes) != len(readers) or any(n.op_type != "Shape" or n.domain != "" for n in nodes):
-        return None
-    return nodes
 
 
 def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 1, max_k: int | None = None,
@@ -118,16 +108,13 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
             rr.refuse(w if isinstance(w, str) else found, node.name)
             continue
         x0, weight, eps, norm_nodes = found
-        av, xv, wv = graph.values[a], graph.values[x0], graph.values[weight]
-        k = w.shape[1]
-        if max_k is not None and k > max_k:
-            rr.refuse(f"K={k}: the CUDA kernel normalizes rows of at most {max_k}", node.name)
-            continue
+        av = graph.values[a]
         if graph.is_graph_output(a) or node.inputs.count(a) != 1:
             rr.refuse("the norm's output is a graph output or read twice by the product", node.name)
             continue
-        if xv.dtype != av.dtype or wv.dtype != av.dtype or list(wv.shape or []) != [k] or (xv.shape or [None])[-1] != k:
-            rr.refuse(f"the norm's input {xv.shape} or weight {wv.shape} is not [..., K={k}] and [K] of A's dtype", node.name)
+        misfit = norm_misfit(graph, a, x0, weight, w.shape[1], max_k)
+        if misfit is not None:
+            rr.refuse(misfit, node.name)
             continue
         others = [c for c, _ in graph.uses(a) if c != node.id]
         seen.add(a)
@@ -140,7 +127,7 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
         wt = node.inputs[1] if node.op_type == "DenseMatMul" else b.const(w, "weight")
         y = graph.values[node.outputs[0]]
         if reshape is not None:  # the norm is per row: the Reshape, keeping the last dim, goes before it
-            for shape in _shape_readers(graph, [c for c, _ in graph.uses(reshape.inputs[0]) if c != reshape.id]):
+            for shape in shape_readers(graph, [c for c, _ in graph.uses(reshape.inputs[0]) if c != reshape.id]):
                 graph.set_input(shape, 0, x0)
             kept = {"allowzero": reshape.attr("allowzero")} if reshape.attr("allowzero") is not None else {}
             x0 = b.op("Reshape", [x0, reshape.inputs[1]], **kept, dtype=av.dtype, shape=av.shape)

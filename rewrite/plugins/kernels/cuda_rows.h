@@ -28,15 +28,30 @@ __device__ __forceinline__ void load8(const float* p, float* out) {
   out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
 }
 
+// The sum of v over the workgroup's THREADS threads, returned to every thread: warp shuffles, then the warps' sums
+// through shared memory (a barrier: every thread must call it; the shared sums are read after it, so a second call
+// in one kernel needs a barrier between).
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[THREADS / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) total += warp_sums[w];
+  return total;
+}
+
 // RMSNorm's denominator sqrt(mean_k(x * x) + eps) of one row x[0 .. K) (K a multiple of 8, x 16-byte aligned),
 // returned to every thread of the workgroup: each thread sums the squares of 8 elements per step of 8 * THREADS
 // (one step for K <= 8 * THREADS: one memory round trip), then the warps' sums meet through shared memory. Every
 // thread of the workgroup must call it (a barrier). ai.rewrite::RMSNorm's arithmetic (rmsnorm_cuda.cu), its sum in
-// another order. Its shared memory is read after its barrier: a second call in one kernel needs a barrier between
+// another order. Its block_sum's rule holds for it: a second call in one kernel needs a barrier between
 // (rms_norm_row ends with one).
 template <int THREADS, typename T>
 __device__ __forceinline__ float rms_denominator(const T* x, int K, float eps) {
-  __shared__ float warp_sums[THREADS / 32];
   float ss = 0.f;
   for (int k = threadIdx.x * 8; k < K; k += THREADS * 8) {
     float v[8];
@@ -44,14 +59,7 @@ __device__ __forceinline__ float rms_denominator(const T* x, int K, float eps) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss = fmaf(v[i], v[i], ss);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) total += warp_sums[w];
-  return sqrtf(total / (float)K + eps);
+  return sqrtf(block_sum<THREADS>(ss) / (float)K + eps);
 }
 
 // x[k] normalized by den and scaled by the norm weight g[k], each rounded to T as RMSNorm's Cast and Mul do

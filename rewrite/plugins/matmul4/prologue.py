@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport
-from rewrite.core.ir import SINK, Graph
+from rewrite.core.ir import Graph
 from rewrite.core.rules import Builder
-from rewrite.plugins.rmsnorm.pattern import find_rms_norm
+from rewrite.plugins.rmsnorm.pattern import find_rms_norm, norm_misfit, shape_readers
 
 NORM_PROLOGUE = "rms-norm-prologue"
 
@@ -43,18 +43,13 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, max_k: int | None 
             rr.refuse(found, node.name)
             continue
         x0, weight, eps, norm_nodes = found
-        others = [c for c, _ in graph.uses(a) if c != node.id]
-        shapes = [graph.node(c) for c in others if c != SINK and graph.node(c).op_type == "Shape" and graph.node(c).domain == ""]
-        if len(shapes) != len(others) or node.inputs.count(a) != 1:
+        shapes = shape_readers(graph, [c for c, _ in graph.uses(a) if c != node.id])
+        if shapes is None or node.inputs.count(a) != 1:
             rr.refuse("the norm's output is read by more than this product's A (and Shape ops)", node.name)
             continue
-        av, xv, wv = graph.values[a], graph.values[x0], graph.values[weight]
-        k = int(node.attr("K"))
-        if max_k is not None and k > max_k:
-            rr.refuse(f"K={k}: the CUDA kernel normalizes rows of at most {max_k}", node.name)
-            continue
-        if xv.dtype != av.dtype or wv.dtype != av.dtype or list(wv.shape or []) != [k] or (xv.shape or [None])[-1] != k:
-            rr.refuse(f"the norm's input {xv.shape} or weight {wv.shape} is not [..., K={k}] and [K] of A's dtype", node.name)
+        misfit = norm_misfit(graph, a, x0, weight, int(node.attr("K")), max_k)
+        if misfit is not None:
+            rr.refuse(misfit, node.name)
             continue
         fused += 1
         rr.applied(removed=len(norm_nodes) + 1, added=1)

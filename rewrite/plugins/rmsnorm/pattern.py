@@ -8,7 +8,7 @@ import numpy as np
 from onnx import TensorProto
 
 from rewrite.core.abstract_ops import DOMAIN
-from rewrite.core.ir import Graph, Node, dtype_name
+from rewrite.core.ir import SINK, Graph, Node, dtype_name
 from rewrite.core.matcher import Match, Matcher
 from rewrite.core.pattern import AttrVar, Const, Or, Pattern, Var
 
@@ -57,6 +57,26 @@ def norm_refusal(m, x0, last: int):
 
 
 _NORM = Pattern.trace(rms_norm, "")
+
+
+def shape_readers(graph: Graph, readers: list[int]) -> list[Node] | None:
+    """The nodes ``readers`` (ids, as :meth:`Graph.uses` gives them) when every one is a Shape op, which may read a
+    norm's input instead of its output (a norm keeps its shape); None when one is not (or is the graph's output)."""
+    nodes = [graph.node(c) for c in readers if c != SINK]
+    if len(nodes) != len(readers) or any(n.op_type != "Shape" or n.domain != "" for n in nodes):
+        return None
+    return nodes
+
+
+def norm_misfit(graph: Graph, a: str, x0: str, weight: str, k: int, max_k: int | None) -> str | None:
+    """None when the norm ``X0 -> a`` (weight ``weight``) can be a product's prologue over K = ``k``: X0 [..., K]
+    and the weight [K] of ``a``'s dtype, K at most ``max_k`` (a CUDA kernel's shared row; None: any); else why not."""
+    if max_k is not None and k > max_k:
+        return f"K={k}: the CUDA kernel normalizes rows of at most {max_k}"
+    av, xv, wv = graph.values[a], graph.values[x0], graph.values[weight]
+    if xv.dtype != av.dtype or wv.dtype != av.dtype or list(wv.shape or []) != [k] or (xv.shape or [None])[-1] != k:
+        return f"the norm's input {xv.shape} or weight {wv.shape} is not [..., K={k}] and [K] of A's dtype"
+    return None
 
 
 def find_rms_norm(graph: Graph, value: str) -> tuple[str, str, float, list[Node]] | str | None:

@@ -15,23 +15,10 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "../../kernels/cuda_rows.h"  // to_f, store, rounded
+#include "../../kernels/cuda_rows.h"  // to_f, store, rounded, block_sum
 
 #define THREADS 256  // CUDA_THREADS in op.py
 #define PER_THREAD 32  // H up to THREADS * PER_THREAD = 8192 (CUDA_MAX_H in op.py)
-
-// the sum of ss over the workgroup's threads (warp shuffles, then the warps' sums through shared memory)
-__device__ __forceinline__ float block_sum(float ss) {
-  __shared__ float sh[THREADS / 32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) total += sh[w];
-  return total;
-}
 
 template <typename T>
 __device__ void rms_norm(const T* x, const T* weight, T* y, int H, float eps) {
@@ -45,7 +32,7 @@ __device__ void rms_norm(const T* x, const T* weight, T* y, int H, float eps) {
     v[j] = h < H ? to_f(xr[h]) : 0.f;
     ss += v[j] * v[j];
   }
-  const float den = sqrtf(block_sum(ss) / (float)H + eps);
+  const float den = sqrtf(block_sum<THREADS>(ss) / (float)H + eps);
 #pragma unroll
   for (int j = 0; j < PER_THREAD; ++j) {
     const int h = threadIdx.x + j * THREADS;
@@ -77,7 +64,7 @@ __device__ void rms_norm_f16_vec(const __half* x, const __half* weight, __half* 
       ss += f.x * f.x + f.y * f.y;
     }
   }
-  const float den = sqrtf(block_sum(ss) / (float)H + eps);
+  const float den = sqrtf(block_sum<THREADS>(ss) / (float)H + eps);
 #pragma unroll
   for (int j = 0; j < PIECES; ++j) {
     const int c = threadIdx.x + j * THREADS;
