@@ -73,7 +73,9 @@ MAX_SEQ = 256
 #: lowering. "iree-t1": the fused model compiled for one token per call (``--dim seq_len=1``: static shapes let IREE
 #: pick its matrix-vector code for the dense MatMuls, and the step's command buffer is recorded once); its prefill is
 #: one call per prompt token. "iree-t1-nomerge": the same without matmul4's shared-input merge; "iree-t1-noprologue":
-#: without matmul4's and densemm's rms-norm-prologue (each norm a launch of its own); "iree-t1-norope":
+#: without matmul4's and densemm's rms-norm-prologue (each norm a launch of its own); "iree-t1-one": FusedMoE in one
+#: launch (moe_fused) instead of two; "iree-t1-noshared": without moe's fused-moe-shared (Qwen1.5-MoE's gated
+#: shared expert summed by an elementwise dispatch); "iree-t1-norope":
 #: without the rope and norm plugins (IREE's own norms and RoPE); "iree-t1-noattn": without those and the
 #: attention plugin (IREE's own lowering of the attention core too).
 CONFIGS = {
@@ -83,6 +85,10 @@ CONFIGS = {
                         ("--dim", "seq_len=1", "--opt", "matmul4.merge=false")),
     "iree-t1-noprologue": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                            ("--dim", "seq_len=1", "--opt", "matmul4.prologue=false", "--opt", "densemm.prologue=false")),
+    "iree-t1-one": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
+                    ("--dim", "seq_len=1", "--opt", "moe.launches=1")),
+    "iree-t1-noshared": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
+                         ("--dim", "seq_len=1", "--opt", "moe.shared=false")),
     "iree-t1-norope": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,attention,topk,moe", ("--dim", "seq_len=1")),
     "iree-t1-noattn": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,topk,moe", ("--dim", "seq_len=1")),
     "iree-plain": ("iree", "quant4,cast,legalize,expand,kv", ()),

@@ -12,6 +12,9 @@ with the same launch interface), macros passed to nvcc, and the grid (``gate``: 
 CUDA_GATE_ITEMS, ``down``: CUDA_DOWN_ROWS); all variants run side by side on the same weights, so their times
 compare directly. The kernels are launched as IREE launches them (rewrite/plugins/moe/lowering.py
 ``lower_iree_cuda``): the bindings' pointers, then the 10 push constants as 32-bit integers, on the same grid.
+Where the source has ``moe_fused_f16`` (the one-launch kernel) its row ``NAME/1`` follows: one launch per layer on
+the 1-D grid of both halves' workgroups, checked against the reference before and after it is timed (its
+counters must be back at zero after every launch).
 ``LAYERS`` weight sets (more bytes than the L2 holds) are used in turn, so each launch reads its weights from
 HBM, as a decode step does. ``ITERS`` launches are captured in a CUDA graph and its replays timed with CUDA
 events (the median of ``REPS``), so the host's launch rate is not measured.
@@ -105,6 +108,10 @@ def main() -> int:
         mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",
                            options=("-O3", *(f"-D{d}" for d in v["defines"])))
         v["kernels"] = mod.get_function("moe_gate_up_f16"), mod.get_function("moe_down_f16")
+        try:  # the one-launch kernel, in sources that have it
+            v["fused"] = mod.get_function("moe_fused_f16")
+        except Exception:
+            v["fused"] = None
     bw = copy_bandwidth(cp)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; {ITERS} launches per CUDA graph, median of {args.reps} replays")
     for v in variants:
@@ -155,12 +162,16 @@ def main() -> int:
                 grid1 = (t, -(-i // -(-v["gate"] // k)))
                 grid2 = (t, -(-h // v["down"]))
 
-                def launch(kernel, layer, gate_up=gate_up, down=down, grid1=grid1, grid2=grid2):
+                # sources with moe_fused: down also takes the shared expert and its gate (absent: flag SHARED off)
+                shared = (dummy_b, dummy_b) if v["fused"] is not None else ()
+
+                def launch(kernel, layer, gate_up=gate_up, down=down, grid1=grid1, grid2=grid2, shared=shared):
                     d = layers[layer][1]
                     if kernel == "gate_up":
                         gate_up(grid1, (CUDA_THREADS,), (dx, dl, dummy_ids, d["fc1"], d["s1"], d["z1"], dummy_b, act, *consts))
                     else:
-                        down(grid2, (CUDA_THREADS,), (dl, dummy_ids, act, d["fc2"], d["s2"], d["z2"], dummy_b, out, *consts))
+                        down(grid2, (CUDA_THREADS,), (dl, dummy_ids, act, d["fc2"], d["s2"], d["z2"], dummy_b, *shared, out,
+                                                      *consts))
 
                 out[...] = 0
                 launch("gate_up", 0)
@@ -179,6 +190,37 @@ def main() -> int:
                 total = nbytes["gate_up"] + nbytes["down"]
                 print(f"{name:<18} {t:>2} {v['name']:<12} {us['gate_up']:>8.1f} {us['down']:>8.1f} {both:>8.1f} "
                       f"{total / 1e6:>6.2f} {total / both / 1e3:>6.0f} {total / both / 1e3 / (bw / 1e9):>8.1%}  {check}",
+                      flush=True)
+                if v["fused"] is None:
+                    continue
+
+                def one(layer, fused=v["fused"], g1=grid1[1], g2=grid2[1]):  # moe_fused: the lowering's 1-D grid
+                    d = layers[layer][1]
+                    fused((t * (g1 + g2),), (CUDA_THREADS,),
+                          (dx, dl, dummy_ids, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
+                           dummy_b, dummy_b, out, act, *consts, np.int32(g1), np.int32(g2), np.int32(0)))
+
+                checks = []
+                for _ in range(2):  # the second launch finds the counters the first one set back
+                    out[...] = 0
+                    one(0)
+                    cp.cuda.Device().synchronize()
+                    got = cp.asnumpy(out).astype(np.float64)
+                    checks.append(float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max())))
+                if not args.once:
+                    us1 = timed(cp, [lambda n=n: one(n % LAYERS) for n in range(ITERS)], args.reps)
+                    out[...] = 0  # and after thousands of launches
+                    one(0)
+                    cp.cuda.Device().synchronize()
+                    got = cp.asnumpy(out).astype(np.float64)
+                    checks.append(float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max())))
+                err = max(checks)
+                check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (one launch; {len(checks)} checks)"
+                if args.once:
+                    print(f"{name:<18} {t:>2} {v['name'] + '/1':<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
+                    continue
+                print(f"{name:<18} {t:>2} {v['name'] + '/1':<12} {'':>8} {'':>8} {us1:>8.1f} "
+                      f"{total / 1e6:>6.2f} {total / us1 / 1e3:>6.0f} {total / us1 / 1e3 / (bw / 1e9):>8.1%}  {check}",
                       flush=True)
     return 0
 

@@ -20,6 +20,8 @@ Generated with hypothesis (derandomized, so every run draws the same cases). Wha
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -410,19 +412,30 @@ def _cuda_device() -> bool:
         return False
 
 
-@pytest.mark.parametrize("mode, dtype", [("softmax_topk", np.float16), ("routed", np.float32)])
-def test_fused_moe_compiles_for_iree_cuda_with_the_plugins_kernels(tmp_path, mode, dtype):
-    """iree:cuda lowers FusedMoE to two extern dispatches of moe_cuda.cu (PTX carried in the folder); on a
-    machine with a CUDA device the folder's outputs equal the reference at 1, 3 and 8 tokens."""
+@pytest.mark.parametrize("mode, dtype, sites, launches", [("softmax_topk", np.float16, None, None),
+                                                         ("routed", np.float32, None, None),
+                                                         ("softmax_topk", np.float16, 0, 1),
+                                                         ("routed", np.float16, None, 1),
+                                                         ("softmax_topk", np.float32, None, 1)])
+def test_fused_moe_compiles_for_iree_cuda_with_the_plugins_kernels(tmp_path, monkeypatch, mode, dtype, sites, launches):
+    """iree:cuda lowers FusedMoE to two extern dispatches of moe_cuda.cu (PTX carried in the folder), or with
+    ``--opt moe.launches=1`` to one of moe_fused, unless past the kernel's counter slots (``sites`` 0 here); on
+    a machine with a CUDA device the folder's outputs equal the reference at 1, 3 and 8 tokens."""
+    from rewrite.plugins.moe import lowering
+
+    if sites is not None:
+        monkeypatch.setattr(lowering, "CUDA_SYNC_SLOTS", sites)
     attrs, hidden, scores, weights = _int4_sample(mode, 256, 128, 64, True, dtype)
     path = tmp_path / "m.onnx"
     onnx.save(_moe_model(attrs, hidden, scores, weights), path)
-    m = apply(path, tmp_path / "out", backend="iree", target="cuda")
+    m = apply(path, tmp_path / "out", backend="iree", target="cuda", plugins="moe" if launches else (),
+              options={"moe": {"launches": launches}} if launches else None)
     kernels = sorted(p.name for p in (tmp_path / "out" / "kernels").iterdir())
     assert len(kernels) == 1 and kernels[0].startswith("moe_cuda") and kernels[0].endswith(".sm_80.ptx")
     mlir = (tmp_path / "out" / m.files["mlir"]).read_text()
     el = "f16" if dtype == np.float16 else "f32"
-    assert mlir.count(f"::@moe_gate_up_{el}[") == 1 and mlir.count(f"::@moe_down_{el}[") == 1
+    two = (mlir.count(f"::@moe_gate_up_{el}["), mlir.count(f"::@moe_down_{el}["))
+    assert (mlir.count(f"::@moe_fused_{el}["), two) == ((1, (0, 0)) if launches == 1 and sites != 0 else (0, (1, 1)))
     if not _cuda_device():
         return
     runner = load_runner(tmp_path / "out")
@@ -431,6 +444,18 @@ def test_fused_moe_compiles_for_iree_cuda_with_the_plugins_kernels(tmp_path, mod
         want = _moe_reference(a, x, s, w).astype(np.float64)
         got = runner.run({"hidden": x, "scores": s})["y"].astype(np.float64)
         assert np.abs(got - want).max() <= (1e-4 if dtype == np.float32 else 1e-2) * max(1.0, float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("opts, message", [({"launches": 3}, "moe: option launches=3; 1 or 2 expected"),
+                                           ({"launches": True}, "moe: option launches=True; 1 or 2 expected"),
+                                           ({"lanches": 2}, "moe: unknown option 'lanches'; options: residual, shared, launches")])
+def test_the_moe_plugins_options_are_checked(tmp_path, opts, message):
+    from rewrite.errors import RewriteError
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_moe_model(*_int4_sample("softmax_topk", 256, 128, 64, True)), path)
+    with pytest.raises(RewriteError, match=re.escape(message)):
+        apply(path, tmp_path / "out", plugins="moe", backend="iree", target="cuda", options={"moe": opts})
 
 
 @pytest.mark.parametrize("mode", ["softmax_topk", "routed"])
@@ -464,3 +489,4 @@ def test_the_kernels_and_their_lowering_agree_on_the_grid_constants():
     cpu, cuda = defines("moe_cpu.c"), defines("moe_cuda.cu")
     assert cpu["ROWS"] == lowering.ROWS_PER_WORKGROUP
     assert (cuda["THREADS"], cuda["MAX_E"]) == (lowering.CUDA_THREADS, lowering.CUDA_MAX_E)
+    assert cuda["SYNC_SLOTS"] == lowering.CUDA_SYNC_SLOTS

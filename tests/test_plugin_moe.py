@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from rewrite.backends import load_runner
 from rewrite.core.kernels import kernel_source
@@ -289,6 +289,57 @@ def test_qwen2_moe_export_one_rewrite_per_layer(tmp_path, qwen2_moe_tiny, backen
     ref = sess.run(["logits"], feeds)[0]
     got = load_runner(out).run(feeds)["logits"]
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_qwen2_moe_export_shared_expert_sum_moves_into_the_op(tmp_path, qwen2_moe_tiny, backend):
+    """transformers' Qwen2-MoE export: ``experts + sigmoid(shared_expert_gate) * shared_expert`` becomes the
+    FusedMoE's shared inputs (fused-moe-shared, the IREE cuda default, forced here), after which the residual Add
+    is its addend; ONNX Runtime and llvm-cpu compute the ops back and the logits stay the original's."""
+    out = tmp_path / backend
+    man = apply(qwen2_moe_tiny, out, plugins=["moe"], backend=backend,
+                options={"moe": {"shared": True, "residual": True}})
+    rules = _moe_report(man)
+    assert (rules["fused-moe-hf"]["matches"], rules["fused-moe-shared"]["matches"],
+            rules["fused-moe-residual"]["matches"]) == (2, 2, 2)
+    sess = ort.InferenceSession(str(qwen2_moe_tiny))
+    feeds = _feeds(sess, np.random.default_rng(0))
+    ref = sess.run(["logits"], feeds)[0]
+    np.testing.assert_allclose(load_runner(out).run(feeds)["logits"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_shared_expert_on_iree_cuda_is_added_in_the_down_kernels_store(tmp_path, qwen2_moe_tiny):
+    """On IREE cuda the rule is on by default (and the residual one after it): each layer's FusedMoE takes the
+    shared expert, its gate logit and the residual, the gates' Sigmoids are gone from the graph, and the
+    module compiles with the down kernel adding them in its store."""
+    man = apply(qwen2_moe_tiny, tmp_path / "out", plugins=["moe"], backend="iree", target="cuda")
+    rules = _moe_report(man)
+    assert (rules["fused-moe-shared"]["matches"], rules["fused-moe-residual"]["matches"]) == (2, 2)
+    nodes = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).graph.node
+    moes = [n for n in nodes if n.op_type == "FusedMoE"]
+    assert len(moes) == 2 and all(len(n.input) == 14 and n.input[11] and n.input[12] and n.input[13] for n in moes)
+    before = [n.op_type for n in onnx.load(qwen2_moe_tiny).graph.node]
+    # 6 Sigmoids: per layer the routed experts' SiLU, the shared expert's SiLU, the gate; only the shared SiLUs stay
+    assert (before.count("Sigmoid"), [n.op_type for n in nodes].count("Sigmoid")) == (6, 2)
+    mlir = (tmp_path / "out" / man.files["mlir"]).read_text()
+    assert mlir.count("::@moe_down_f32[") == 2 and (tmp_path / "out" / man.files["vmfb"]).is_file()
+
+
+def test_a_shared_expert_without_its_gate_is_a_clear_lowering_error(tmp_path):
+    from rewrite.core import onnx_io
+    from rewrite.core.abstract_ops import DOMAIN
+    from rewrite.errors import BackendError
+    from rewrite.plugins.moe.lowering import FusedMoE
+
+    g = onnx_io.load(helper.make_model(helper.make_graph(
+        [helper.make_node("FusedMoE", ["h", "l", "w1", "w2"] + [""] * 8 + ["s"], ["y"], domain=DOMAIN, k=1)], "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 8]) for n in ("h", "l", "s")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [numpy_helper.from_array(np.zeros((8, 16, 8), np.float32), "w1"),
+         numpy_helper.from_array(np.zeros((8, 8, 8), np.float32), "w2")]),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)]))
+    with pytest.raises(BackendError, match=r"a shared expert \(input 12\) needs its gate logit \(input 13\)"):
+        FusedMoE().lower_ort(g, g.nodes_by_op("FusedMoE", DOMAIN)[0])
 
 
 def test_altered_layer_is_refused_with_reason(tmp_path, qwen2_moe_tiny):

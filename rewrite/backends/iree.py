@@ -221,7 +221,7 @@ class IreeBackend:
         if missing:
             raise BackendError(f"no IREE lowering for {manifest.target} registered for abstract op(s) {', '.join(missing)}")
         mod = MlirModule(res.mlir_path.read_text(), str(res.mlir_path))
-        ctx = PatchContext(folder=folder, target=manifest.target, cuda_arch=sm)
+        ctx = PatchContext(folder=folder, target=manifest.target, cuda_arch=sm, options=options)
         if used:
             patch_module(mod, {t: lowerings[t] for t in used}, ctx)
             left = unlowered_ops(mod, used)

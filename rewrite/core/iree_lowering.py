@@ -124,14 +124,25 @@ class IreeLowering:
 
 @dataclass
 class PatchContext:
-    """Where and for what the module is being patched: the output ``folder``, the IREE ``target`` and, for
-    ``cuda``, the SM architecture."""
+    """Where and for what the module is being patched: the output ``folder``, the IREE ``target``, for ``cuda``
+    the SM architecture, and the apply's options (a plugin's lowering choices)."""
 
     folder: Path
     target: str
     opset_version: int = 17
     cuda_arch: str = DEFAULT_CUDA_ARCH  #: the SM the module is compiled for (``apply --cuda-sm``): build PTX for it
+    #: the apply's options: a plugin's own under its short name (``--opt moe.launches=2`` -> {"moe": {"launches": 2}})
+    options: dict = field(default_factory=dict)
     _kernel_objects: list[str] = field(default_factory=list)
+    _sites: dict[str, int] = field(default_factory=dict)
+
+    def next_site(self, key: str) -> int:
+        """0, 1, 2, ... on successive calls with the same ``key`` (an executable's name) in this module: a number
+        per dispatch site, for kernels that keep per-site state in their module's own memory (``moe_fused``'s
+        counters)."""
+        n = self._sites.get(key, 0)
+        self._sites[key] = n + 1
+        return n
 
     def object_path(self, obj: Path) -> str:
         """Copy the kernel object ``obj`` (a built, cached file: :mod:`rewrite.core.kernels`) into the folder's

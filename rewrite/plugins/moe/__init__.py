@@ -10,12 +10,15 @@ Rules (patterns in :mod:`rewrite.plugins.moe.patterns`, the op and its lowerings
   the numerical check of :mod:`rewrite.plugins.moe.semantic` (transformers' default ``grouped_mm`` experts);
 * ``fused-moe-index-add`` (tried last): the same check for a region whose weighted expert outputs are added
   into their tokens' rows by ``ScatterND(zeros, ids, ., reduction="add")`` (JetMoE's ``index_add``);
-* ``fused-moe-residual`` (after them; for IREE cuda, or any backend with the option ``residual=true``): the
+* ``fused-moe-shared`` (after them; for IREE cuda, or any backend with the option ``shared=true``): the sum with a
+  sigmoid-gated shared expert (Qwen1.5-MoE) becomes FusedMoE's ``shared`` and ``shared_gate`` inputs
+  (:mod:`rewrite.plugins.moe.shared`);
+* ``fused-moe-residual`` (last; for IREE cuda, or any backend with the option ``residual=true``): the
   residual Add after a block becomes the FusedMoE's addend (:mod:`rewrite.plugins.moe.residual`).
 
 All accept the router as the raw Softmax/TopK chain or as the ``topk`` plugin's ``MoERouterTopK``, so
-``--plugins moe`` works alone and after ``topk``. The shared expert (Qwen1.5-MoE) is not part of the match and
-stays in the graph unchanged.
+``--plugins moe`` works alone and after ``topk``. The shared expert's own products (Qwen1.5-MoE) stay in the graph
+(``matmul4`` takes them); only its gated sum with the routed experts can move into the op.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from rewrite.core.int4 import pack_int4
 from rewrite.plugins.moe.lowering import FusedMoE, _ort_block
 from rewrite.plugins.moe.patterns import hf_experts, seed_experts
 from rewrite.plugins.moe.residual import fuse_residual
+from rewrite.plugins.moe.shared import fuse_shared
 from rewrite.plugins.moe.semantic import prove_fused_moe
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
@@ -363,7 +367,7 @@ class MoE(Plugin):
     description = "Fuse each MoE block's routed experts (router + SwiGLU experts + weighted sum) into FusedMoE"
     opset_range = (13, 28)
     kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "kernels/moe_cpu.c"),
-               KernelObject("moe_gate_up_f32/f16, moe_down_f32/f16", "iree", "cuda", "kernels/moe_cuda.cu"))
+               KernelObject("moe_fused_f32/f16 (and moe_gate_up, moe_down)", "iree", "cuda", "kernels/moe_cuda.cu"))
 
     @property
     def rules(self):
@@ -374,20 +378,29 @@ class MoE(Plugin):
         return [FusedMoE()]
 
     def run(self, graph, report, ctx=None, *, dry_run=False):
-        """Apply the rules and :func:`fuse_residual` (option ``residual``: default true for IREE cuda, where CUDA's
-        down kernel adds the residual in its store, false elsewhere, where the Add comes back in the lowering and
-        nothing is gained), then note per INT4 FusedMoE how ONNX Runtime will run it (QMoE block or float MoE).
+        """Apply the rules, :func:`fuse_shared` and :func:`fuse_residual` (options ``shared`` and ``residual``:
+        default true for IREE cuda, where CUDA's down half adds the gated shared expert and the residual in its
+        store, false elsewhere, where the ops come back in the lowering and nothing is gained), then note per INT4
+        FusedMoE how ONNX Runtime will run it (QMoE block or float MoE). Option ``launches`` (2, the default, or 1)
+        is the IREE cuda lowering's: the gate_up and down kernels, or ``moe_fused``'s one launch (measured slower
+        on the GPU, a launch fewer on the host: BENCHMARKS.md).
 
         Raises:
-            RewriteError: an unknown option, or ``residual`` not a boolean."""
+            RewriteError: an unknown option, ``residual`` or ``shared`` not a boolean, ``launches`` not 1 or 2."""
         opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
-        if set(opts) - {"residual"}:
-            raise RewriteError(f"moe: unknown option '{sorted(set(opts) - {'residual'})[0]}'; options: residual")
+        known = {"residual", "shared", "launches"}
+        if set(opts) - known:
+            raise RewriteError(f"moe: unknown option '{sorted(set(opts) - known)[0]}'; options: residual, shared, launches")
         cuda = ctx is not None and (ctx.backend, getattr(ctx, "target", None)) == ("iree", "cuda")
-        residual = opts.get("residual", cuda)
-        if not isinstance(residual, bool):
-            raise RewriteError(f"moe: option residual={residual!r}; true or false expected")
+        residual, shared = opts.get("residual", cuda), opts.get("shared", cuda)
+        for name, value in (("residual", residual), ("shared", shared)):
+            if not isinstance(value, bool):
+                raise RewriteError(f"moe: option {name}={value!r}; true or false expected")
+        if opts.get("launches", 2) not in (1, 2) or isinstance(opts.get("launches"), bool):
+            raise RewriteError(f"moe: option launches={opts['launches']!r}; 1 or 2 expected")
         super().run(graph, report, ctx, dry_run=dry_run)
+        if shared:  # first: the residual Add then reads the block's own output
+            fuse_shared(graph, report, dry_run=dry_run)
         if residual:
             fuse_residual(graph, report, dry_run=dry_run)
         if dry_run or getattr(ctx, "backend", "ort") != "ort":

@@ -123,7 +123,41 @@ def residual_block(*, dtype: int = TensorProto.FLOAT, tokens: int = 3, h: int = 
     return m
 
 
+def shared_block(*, dtype: int = TensorProto.FLOAT, h: int = 32, residual: bool = False, used_elsewhere: bool = False,
+                 gate_first: bool = True) -> onnx.ModelProto:
+    """:func:`hf_block` plus a sigmoid-gated shared expert, as Qwen1.5-MoE's block ends:
+    ``z = y + sigmoid(hidden @ Wg) * silu(hidden @ Wsg) * (hidden @ Wsu) @ Wsd`` (``gate_first``: the Mul's
+    operands in that order, else swapped); ``residual``: then ``+ hidden`` (the decoder layer's residual sum, which
+    fused-moe-residual takes after this rule; 3 tokens, static: that rule needs every dim); ``used_elsewhere``: the
+    gated product is a graph output too, so the rule must leave it."""
+    m = hf_block(dtype=dtype, h=h)
+    g = m.graph
+    tokens = 3 if residual else "T"
+    if residual:
+        for v in g.input:
+            v.type.tensor_type.shape.dim[0].dim_value = tokens
+    npdt = _NP[dtype]
+    rng = np.random.default_rng(11)
+    n = helper.make_node
+    for name, shape in (("wg", (h, 1)), ("wsg", (h, 24)), ("wsu", (h, 24)), ("wsd", (24, h))):
+        g.initializer.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(npdt), name))
+    g.node.extend([n("MatMul", ["hidden", "wg"], ["gl"]), n("Sigmoid", ["gl"], ["gs"]),
+                   n("MatMul", ["hidden", "wsg"], ["sg0"]), n("Sigmoid", ["sg0"], ["sg1"]), n("Mul", ["sg0", "sg1"], ["sg2"]),
+                   n("MatMul", ["hidden", "wsu"], ["su"]), n("Mul", ["sg2", "su"], ["sa"]), n("MatMul", ["sa", "wsd"], ["so"]),
+                   n("Mul", ["gs", "so"] if gate_first else ["so", "gs"], ["gated"]), n("Add", ["y", "gated"], ["z"])])
+    out = "z"
+    if residual:
+        g.node.append(n("Add", ["z", "hidden"], ["zr"]))
+        out = "zr"
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info(out, dtype, [tokens, h]))
+    if used_elsewhere:
+        g.output.append(helper.make_tensor_value_info("gated", dtype, [tokens, h]))
+    return m
+
+
 RESIDUAL = {"moe": {"residual": True}}  #: the option that runs fused-moe-residual on any backend
+SHARED = {"moe": {"shared": True, "residual": True}}  #: fused-moe-shared (and the residual rule after it) anywhere
 
 
 def moe_cases() -> list[Case]:
@@ -141,6 +175,14 @@ def moe_cases() -> list[Case]:
         positive("hf-fp32-elementwise-addend-left", lambda: residual_block(elementwise=True),
                  {"fused-moe-hf": 1, "fused-moe-residual": 0}, options=RESIDUAL),
         positive("hf-fp32-residual-off-by-default", residual_block, {"fused-moe-hf": 1}),
+        # the shared-expert rule is for IREE cuda by default too: forced here (ONNX Runtime and llvm-cpu compute it)
+        positive("hf-fp32-shared", lambda: shared_block(gate_first=False), {"fused-moe-hf": 1, "fused-moe-shared": 1},
+                 options=SHARED),
+        positive("hf-fp16-shared-residual", lambda: shared_block(dtype=F16, residual=True),
+                 {"fused-moe-hf": 1, "fused-moe-shared": 1, "fused-moe-residual": 1}, rtol=2e-2, options=SHARED),
+        positive("hf-fp32-shared-read-elsewhere-left", lambda: shared_block(used_elsewhere=True),
+                 {"fused-moe-hf": 1, "fused-moe-shared": 0}, options=SHARED),
+        positive("hf-fp32-shared-off-by-default", shared_block, {"fused-moe-hf": 1}),
         negative("topk-largest-0", lambda: hf_block(largest=0)),
         negative("sum-over-hidden-axis", lambda: hf_block(sum_axis=2)),
     ]

@@ -18,6 +18,9 @@ Contract (inputs; T tokens, H hidden, E experts, I expert intermediate size, flo
    (optional; added to each expert's output before its mixing weight, gpt-oss)
 11. ``addend`` [T, H] hidden's dtype (optional): added to the output, each rounded to hidden's dtype as the ONNX
    Add it replaces (the residual sum after the block: the ``fused-moe-residual`` rule)
+12. ``shared`` [T, H] hidden's dtype (optional): a sigmoid-gated shared expert's output, added before the addend
+   (Qwen1.5-MoE's ``moe + sigmoid(gate(x)) * shared_expert(x)``: the ``fused-moe-shared`` rule);
+   13. ``shared_gate`` [T, 1] hidden's dtype, its gate logit (required with ``shared``)
 
 Attributes: ``k`` (experts per token), ``normalize`` (0/1: divide the k weights by their sum; Qwen1.5-MoE 0,
 Qwen3-MoE 1), ``mode`` ("softmax_topk": softmax over E then top-k; "topk_softmax": top-k logits then softmax
@@ -31,6 +34,7 @@ weights). Output: float [T, H], hidden's dtype::
     g, u = fc1[e] @ x[t] + fc1_bias[e] split in halves                            (e = idx_j)
     g = min(g, limit); u = clamp(u, -limit, limit)                               (when swiglu_limit > 0)
     out[t] = sum_j w_j * (fc2[e] @ (g * sigmoid(alpha * g) * (u + beta)) + fc2_bias[e])
+    out[t] = round(round(out[t]) + round(round(sigmoid(shared_gate[t])) * shared[t]))   (with a shared expert)
     out[t] = round(round(out[t]) + addend[t])                                     (with an addend)
 
 The activation is com.microsoft MoE/QMoE's SwiGLU (seed 003 section 8): the defaults give SiLU(gate) * up;
@@ -43,7 +47,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, kernel_bindings
+from rewrite.core.iree_lowering import IreeLowering, PatchContext, TorchOperator, cuda_executable_source, kernel_bindings
 from rewrite.core.abstract_ops import AbstractOp
 from rewrite.core.int4 import ORT_MAX_BLOCK, pack_int4, unpack_int4
 from rewrite.core.ir import Graph, Node
@@ -60,10 +64,14 @@ CUDA_THREADS, CUDA_MAX_E = 256, 512
 #: pieces of it in flight at once (352 gate_up and 256 down workgroups for Qwen1.5-MoE's I=1408, k=4, H=2048 at
 #: T=1; BENCHMARKS.md has the configurations measured)
 CUDA_GATE_ITEMS, CUDA_DOWN_ROWS = 16, 8
-_FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64, "addend": 128}
+#: SYNC_SLOTS in moe_cuda.cu: dispatch sites of a module that take ``moe_fused`` (one launch, option
+#: ``moe.launches=1``); later sites take the two kernels
+CUDA_SYNC_SLOTS = 1024
+_FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64, "addend": 128,
+         "shared": 256}
 MODES = ("softmax_topk", "topk_softmax", "routed")
 #: input positions of the contract
-IDS, FC1_BIAS, FC2_BIAS, ADDEND = 8, 9, 10, 11
+IDS, FC1_BIAS, FC2_BIAS, ADDEND, SHARED, SHARED_GATE = 8, 9, 10, 11, 12, 13
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, block: int) -> np.ndarray:
@@ -95,7 +103,7 @@ def activation_params(attrs: dict) -> tuple[float, float, float]:
 
 class FusedMoE(AbstractOp):
     """The contract in the module docstring; ORT lowering to com.microsoft MoE / QMoE (CPU and CUDA forms), IREE
-    to two kernels (C for llvm-cpu, CUDA for cuda)."""
+    to two kernels (C for llvm-cpu, CUDA for cuda; or one CUDA launch, ``moe_fused``)."""
 
     ort_targets = ("cpu",)  # lower_ort; ort:cuda is lower_ort_cuda (QMoE's CUDA weight layout: seed 003 section 5.1)
     iree_targets = ("llvm-cpu",)  # C kernels; iree:cuda is lower_iree_cuda (moe_cuda.cu)
@@ -108,9 +116,11 @@ class FusedMoE(AbstractOp):
 
     # ------------------------------------------------------------ reference
     def reference(self, attrs: dict, hidden, logits, fc1, fc2, s1=None, z1=None, s2=None, z2=None, ids=None,
-                  b1=None, b2=None, addend=None) -> list[np.ndarray]:
+                  b1=None, b2=None, addend=None, shared=None, shared_gate=None) -> list[np.ndarray]:
         """numpy float32 evaluation of the contract; returns [out] in hidden's dtype. ``logits`` are the mixing
-        weights [T, k] and ``ids`` the experts when ``mode="routed"``; ``addend`` [T, H] is added last."""
+        weights [T, k] and ``ids`` the experts when ``mode="routed"``; ``shared`` [T, H] gated by
+        sigmoid(``shared_gate`` [T, 1]), then ``addend`` [T, H], are added last, each step rounded to hidden's
+        dtype as the ONNX ops they stand for."""
         T, H = hidden.shape
         I = fc1.shape[1] // 2
         bs = int(attrs.get("block_size", 0))
@@ -137,9 +147,15 @@ class FusedMoE(AbstractOp):
             if b2 is not None:
                 d = d + b2.astype(np.float32)[e]
             out += w[:, j:j + 1] * d
+        dt = hidden.dtype
+        out = out.astype(dt)
+        if shared is not None:
+            gate = (1 / (1 + np.exp(-shared_gate.astype(np.float32)))).astype(dt).astype(np.float32)
+            gated = (gate * shared.astype(np.float32)).astype(dt)
+            out = (out.astype(np.float32) + gated.astype(np.float32)).astype(dt)
         if addend is not None:
-            return [(out.astype(hidden.dtype).astype(np.float32) + addend.astype(np.float32)).astype(hidden.dtype)]
-        return [out.astype(hidden.dtype)]
+            out = (out.astype(np.float32) + addend.astype(np.float32)).astype(dt)
+        return [out]
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
@@ -176,8 +192,11 @@ class FusedMoE(AbstractOp):
         Raises:
             BackendError: weights that are not initializers; routed float weights not provably positive.
         """
-        ins = list(node.inputs) + [""] * (12 - len(node.inputs))
-        hidden, logits, fc1, fc2, s1, z1, s2, z2, ids, bias1, bias2, addend = ins
+        ins = list(node.inputs) + [""] * (14 - len(node.inputs))
+        hidden, logits, fc1, fc2, s1, z1, s2, z2, ids, bias1, bias2, addend, shared, shared_gate = ins
+        if bool(shared) != bool(shared_gate):
+            raise BackendError(f"FusedMoE {node.name}: a shared expert (input 12) needs its gate logit (input 13), and "
+                               "a gate its expert")
         k, normalize = int(node.attr("k")), int(node.attr("normalize", 0))
         mode = node.attr("mode", "softmax_topk")
         if mode == "topk_softmax":
@@ -250,6 +269,9 @@ class FusedMoE(AbstractOp):
                        domain="com.microsoft", dtype=dt, shape=out_shape, **attrs)
             if scale is not None:
                 out = b.op("Mul", [out, scale], dtype=dt, shape=out_shape)
+        if shared:  # the gated shared expert, as the graph had it
+            gate = b.op("Sigmoid", [shared_gate], dtype=dt, shape=graph.values[shared_gate].shape)
+            out = b.op("Add", [out, b.op("Mul", [gate, shared], dtype=dt, shape=out_shape)], dtype=dt, shape=out_shape)
         if addend:  # the residual sum after the block, as the graph had it
             out = b.op("Add", [out, addend], dtype=dt, shape=out_shape)
         graph.ensure_opset("com.microsoft")
@@ -258,12 +280,19 @@ class FusedMoE(AbstractOp):
 
     # ----------------------------------------------------------------- IREE
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
-        """The same two dispatches as :meth:`lower_iree`, of rewrite/plugins/moe/kernels/moe_cuda.cu (PTX for
-        ``ctx.cuda_arch``): ``moe_gate_up_<el>`` on (T, ceil(I / ceil(16 / k))) workgroups of 256 threads,
-        ``moe_down_<el>`` on (T, ceil(H / 8)); each gate_up workgroup routes its token once for all k experts
-        and the first of a token leaves the routing behind the act rows, which down reads instead of routing
-        again; the INT4 dequantization is inside the dot product (the kernel source's header gives the fast
-        path). The 10 scalars are i32 push constants.
+        """Two dispatches of rewrite/plugins/moe/kernels/moe_cuda.cu (PTX for ``ctx.cuda_arch``), as
+        :meth:`lower_iree`: ``moe_gate_up_<el>`` on (T, ceil(I / ceil(16 / k))) workgroups of 256 threads,
+        ``moe_down_<el>`` on (T, ceil(H / 8)), the first gate_up workgroup of a token leaving its routing behind
+        the act rows for down. With the moe plugin's option ``launches=1``, one dispatch instead:
+        ``moe_fused_<el>`` on T * (ceil(I / ceil(16 / k)) + ceil(H / 8)) workgroups, the gate_up row blocks of
+        every token, then the down row blocks, ordered by tickets the workgroups take as they start (down waits
+        for every gate_up workgroup after issuing its first weight loads; the kernel's comment gives the argument
+        that the wait ends), the act rows an f32 [T*k, I] scratch result no one reads; a launch fewer, but 16%
+        more GPU time per layer at the seeds' decode shapes on an H100 (BENCHMARKS.md), and past
+        :data:`CUDA_SYNC_SLOTS` sites in a module (each has its own counters) the two kernels again. The INT4
+        dequantization is inside the dot product (the kernel source's header gives the fast path); down adds the
+        gated shared expert and the addend in its store. The scalars are i32 push constants (10; moe_fused also
+        its two row-block counts and its site).
 
         Raises:
             BackendError: as :meth:`lower_iree`, and H or I not a multiple of 8, a block size that is not, more
@@ -290,7 +319,7 @@ class FusedMoE(AbstractOp):
             obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "moe_cuda.cu"), ctx.cuda_arch))
         else:
             obj = ctx.object_path(build_cpu_object(kernel_source(__file__, "moe_cpu.c")))
-        tys = list(op.operand_types) + [None] * (12 - len(op.operand_types))
+        tys = list(op.operand_types) + [None] * (14 - len(op.operand_types))
         present = [t is not None and t.element != "none" for t in tys]
         el = tys[0].builtin_element
         mode = op.attrs.get("mode", "softmax_topk")
@@ -322,6 +351,15 @@ class FusedMoE(AbstractOp):
             raise BackendError(f"FusedMoE {op.where}: addend {tys[ADDEND].text} with hidden {tys[0].text}: the addend "
                                f"[T, {H}] of hidden's T and type expected")
         flags |= _FLAG["addend"] if addend and cuda else 0
+        shared = present[SHARED]
+        if shared != present[SHARED_GATE]:
+            raise BackendError(f"FusedMoE {op.where}: a shared expert (input 12) needs its gate logit (input 13), and "
+                               "a gate its expert")
+        if shared and (tys[SHARED].dims[1:] != [H] or tys[SHARED_GATE].dims[1:] != [1]
+                       or {tys[SHARED].element, tys[SHARED_GATE].element} != {tys[0].element}):
+            raise BackendError(f"FusedMoE {op.where}: shared expert {tys[SHARED].text} and gate {tys[SHARED_GATE].text} "
+                               f"with hidden {tys[0].text}: [T, {H}] and [T, 1] of hidden's type expected")
+        flags |= _FLAG["shared"] if shared and cuda else 0
         alpha, beta, limit = (_f32_bits(v) for v in activation_params(op.attrs))
         wel = "i8" if bs else el
         names = ("fc1", "fc2", "s1", "z1", "s2", "z2", "ids", "b1", "b2")
@@ -353,17 +391,31 @@ class FusedMoE(AbstractOp):
         for n, kk in zip(names, range(2, 11)):
             if n == "ids":
                 if not routed:
-                    lines.append("    %ids = arith.constant dense<0> : tensor<1xi64>")
+                    lines.append("    %ids = arith.constant dense<[0, 1]> : tensor<2xi64>")  # not a splat (above)
                 continue
             if present[kk] and (n in ("fc1", "fc2") or (bs and n[0] in "sz") or (bias and n[0] == "b")):
                 rank = len(tys[kk].dims)
                 lines.append(f"    %{n} = tensor.collapse_shape %in{kk} [[{', '.join(map(str, range(rank)))}]] : "
                              f"{tys[kk].builtin} into tensor<{S[n]}x{elements[n]}>")
             else:
-                S[n] = 1
-                zero = "0" if elements[n] in ("i8", "i64") else "0.0"
-                lines.append(f"    %{n} = arith.constant dense<{zero}> : tensor<1x{elements[n]}>")
-        ids_t = "tensor<?xi64>{%tk}" if routed else "tensor<1xi64>"
+                # a placeholder the kernels never read, each of its own size (equal constants would be one value,
+                # bound twice in moe_fused) and not a splat (iree-compile fills a splat at every call: a launch)
+                S[n] = 2 + names.index(n)
+                vals = ", ".join(str(v) if elements[n] in ("i8", "i64") else f"{v}.0" for v in range(S[n]))
+                lines.append(f"    %{n} = arith.constant dense<[{vals}]> : tensor<{S[n]}x{elements[n]}>")
+        ids_t = "tensor<?xi64>{%tk}" if routed else "tensor<2xi64>"
+        if cuda:  # the shared expert and its gate logit ([T, H], [T, 1]) for the down half, or placeholders
+            for n, kk, size in (("sh", SHARED, "%th"), ("sg", SHARED_GATE, "%t")):
+                if shared:
+                    t = tys[kk]
+                    flat = "?" if t.dims[0] is None else str(t.dims[0] * t.dims[1])
+                    lines.append(f"    %{n}_s = tensor.collapse_shape %in{kk} [[0, 1]] : {t.builtin} into tensor<{flat}x{el}>")
+                    lines.append(f"    %{n} = tensor.cast %{n}_s : tensor<{flat}x{el}> to tensor<?x{el}>")
+                    S[n] = size
+                else:  # not a splat and of its own size (above)
+                    S[n] = 2 + len(names) + (n == "sg")
+                    lines.append(f"    %{n} = arith.constant dense<[{', '.join(f'{v}.0' for v in range(S[n]))}]> : tensor<{S[n]}x{el}>")
+            shared_types = ", ".join(f"tensor<?x{el}>{{{S[n]}}}" if shared else f"tensor<{S[n]}x{el}>" for n in ("sh", "sg"))
         scalar_names = ["%t", "%cH", "%cI", "%cE", f"%c{k}k", "%cbs", "%cfl", "%cal", "%cbe", "%cli"]
         st = "index"
         if cuda:  # push constants: 32-bit
@@ -371,6 +423,14 @@ class FusedMoE(AbstractOp):
             lines += [f"    {n}_i32 = arith.index_cast {n} : index to i32" for n in scalar_names]
             scalar_names = [f"{n}_i32" for n in scalar_names]
         scalars = ", ".join(scalar_names)
+        name = f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['b1']}{'_sh' if shared else ''}"
+        launches = (ctx.options.get("moe") or {}).get("launches", 2)  # the moe plugin's option (checked there)
+        if launches not in (1, 2) or isinstance(launches, bool):
+            raise BackendError(f"FusedMoE {op.where}: option moe.launches={launches!r}; 1 or 2 expected")
+        # one sequence per module: iree-compile merges the equal moe_fused executables into one PTX module
+        site = ctx.next_site("moe_fused") if cuda and launches == 1 else CUDA_SYNC_SLOTS
+        if site < CUDA_SYNC_SLOTS:
+            return self._fused_cuda(op, lines, name, obj, el, wel, S, ids_t, shared_types, scalars, site, H, addend)
         lines.append(
             f"    %act = flow.dispatch @moe_exec::@gate_up[{'%t' if cuda else '%tk'}, %nb1](%x, %l, %ids, %fc1, %s1, %z1, %b1, {scalars}) : "
             f"(tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%tl}}, {ids_t}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, "
@@ -384,28 +444,93 @@ class FusedMoE(AbstractOp):
         else:
             down_out, down_arg, down_type = f"tensor<?x{el}>{{%th}}", "", ""
         lines.append(
-            f"    %o = flow.dispatch @moe_exec::@down[%t, %nb2](%l, %ids, %act, %fc2, %s2, %z2, %b2{down_arg}, {scalars}) : "
+            f"    %o = flow.dispatch @moe_exec::@down[%t, %nb2](%l, %ids, %act, %fc2, %s2, %z2, %b2{', %sh, %sg' if cuda else ''}"
+            f"{down_arg}, {scalars}) : "
             f"(tensor<?x{el}>{{%tl}}, {ids_t}, tensor<?xf32>{{%tki}}, tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, "
-            f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>{down_type}, {', '.join([st] * 10)}) -> {down_out}")
+            f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>{', ' + shared_types if cuda else ''}{down_type}, "
+            f"{', '.join([st] * 10)}) -> {down_out}")
         lines.append(f"    %o2 = tensor.expand_shape %o [[0, 1]] output_shape [%t, {H}] : tensor<?x{el}> into tensor<?x{H}x{el}>")
-        if addend and not cuda:  # the C kernel writes the sum of the experts; the Add after it, in the kernel's type
-            a = tys[ADDEND]
-            lines += [f"    %ad = tensor.cast %in{ADDEND} : {a.builtin} to tensor<?x{H}x{el}>",
-                      f"    %ad_e = tensor.empty(%t) : tensor<?x{H}x{el}>",
-                      "    %o3 = linalg.generic {indexing_maps = [affine_map<(t, h) -> (t, h)>, affine_map<(t, h) -> (t, h)>, "
-                      "affine_map<(t, h) -> (t, h)>], iterator_types = [\"parallel\", \"parallel\"]}\n"
-                      f"        ins(%o2, %ad : tensor<?x{H}x{el}>, tensor<?x{H}x{el}>) outs(%ad_e : tensor<?x{H}x{el}>) {{\n"
-                      f"    ^bb0(%ya: {el}, %yb: {el}, %yo: {el}):\n      %ys = arith.addf %ya, %yb : {el}\n      linalg.yield %ys : {el}\n"
-                      f"    }} -> tensor<?x{H}x{el}>"]
+        if (addend or shared) and not cuda:  # the C kernel writes the sum of the experts; the rest after it
+            lines.append(_cpu_tail(tys, H, el, addend, shared))
         else:
             lines.append(f"    %o3 = tensor.cast %o2 : tensor<?x{H}x{el}> to tensor<?x{H}x{el}>")
         lines.append(f"    %out0 = tensor.cast %o3 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
-        name = f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['b1']}"
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
         if cuda:  # a PTX export is named after its kernel
             body = body.replace(f"@{name}::@gate_up", f"@{name}::@moe_gate_up_{el}").replace(f"@{name}::@down", f"@{name}::@moe_down_{el}")
         exe = _cuda_executable(name, obj, el) if cuda else _executable(name, obj, el, wel, S, routed)
         return IreeLowering(body=body, module_items={name: exe})
+
+    @staticmethod
+    def _fused_cuda(op: TorchOperator, lines: list[str], name: str, obj: str, el: str, wel: str, S: dict,
+                    ids_t: str, shared_types: str, scalars: str, site: int, H: int, addend: bool) -> IreeLowering:
+        """``lines`` (the operands as :meth:`_lower_iree` prepared them) and one ``moe_fused_<el>`` dispatch on a
+        1-D grid of T * (gy1 + gy2) workgroups; with an addend, the output is the addend tied in place (flag
+        ADDEND). Bindings: the 11 inputs, the shared expert and its gate, then the output, then the act scratch."""
+        lines = list(lines)
+        lines += ["    %gsum = arith.addi %nb1, %nb2 : index", "    %g = arith.muli %t, %gsum : index"]
+        lines += [f"    {n}_i32 = arith.index_cast {n} : index to i32" for n in ("%nb1", "%nb2")]
+        lines.append(f"    %site_i32 = arith.constant {site} : i32")
+        ins = "%x, %l, %ids, %fc1, %s1, %z1, %b1, %fc2, %s2, %z2, %b2, %sh, %sg"
+        in_types = (f"tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%tl}}, {ids_t}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, "
+                    f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, "
+                    f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>, {shared_types}")
+        if addend:
+            lines.append(f"    %ad_s = tensor.collapse_shape %in{ADDEND} [[0, 1]] : {op.operand_types[ADDEND].builtin} into "
+                         f"tensor<{_flat(op.operand_types[ADDEND], H)}x{el}>")
+            lines.append(f"    %ad = tensor.cast %ad_s : tensor<{_flat(op.operand_types[ADDEND], H)}x{el}> to tensor<?x{el}>")
+            ins += ", %ad"
+            in_types += f", tensor<?x{el}>{{%th}}"
+            out = "%ad{%th}"
+        else:
+            out = f"tensor<?x{el}>{{%th}}"
+        lines.append(f"    %o, %act = flow.dispatch @{name}_fused::@moe_fused_{el}[%g]({ins}, {scalars}, %nb1_i32, %nb2_i32, "
+                     f"%site_i32) : ({in_types}, {', '.join(['i32'] * 13)}) -> ({out}, tensor<?xf32>{{%tki}})")
+        lines.append(f"    %o2 = tensor.expand_shape %o [[0, 1]] output_shape [%t, {H}] : tensor<?x{el}> into tensor<?x{H}x{el}>")
+        lines.append(f"    %out0 = tensor.cast %o2 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
+        exe = cuda_executable_source(f"{name}_fused", obj, [f"moe_fused_{el}"], 13, 2, 13, CUDA_THREADS, grid=1)
+        return IreeLowering(body="\n".join(lines), module_items={f"{name}_fused": exe})
+
+
+def _cpu_tail(tys: list, H: int, el: str, addend: bool, shared: bool) -> str:
+    """``%o3`` [T, H] from the C kernels' ``%o2``: plus the gated shared expert, then the addend, each step in
+    hidden's type ``el`` as the ONNX Sigmoid, Mul and Adds compute it (the sigmoid in f32, rounded to ``el``)."""
+    ins, types, maps, args, lines = ["%o2"], [f"tensor<?x{H}x{el}>"], ["(t, h)"], [f"%ya: {el}"], []
+    for use, kk, nm, shape, m in ((shared, SHARED, "sh3", f"?x{H}", "(t, h)"), (shared, SHARED_GATE, "sg3", "?x1", "(t, 0)"),
+                                  (addend, ADDEND, "ad3", f"?x{H}", "(t, h)")):
+        if use:
+            lines.append(f"    %{nm} = tensor.cast %in{kk} : {tys[kk].builtin} to tensor<{shape}x{el}>")
+            ins.append(f"%{nm}"), types.append(f"tensor<{shape}x{el}>"), maps.append(m), args.append(f"%y_{nm}: {el}")
+    body, y = [], "%ya"
+    if shared:
+        g = "%y_sg3"
+        if el != "f32":
+            body.append(f"%g32 = arith.extf %y_sg3 : {el} to f32")
+            g = "%g32"
+        body += [f"%gn = arith.negf {g} : f32", "%ge = math.exp %gn : f32", "%one = arith.constant 1.0 : f32",
+                 "%gd = arith.addf %one, %ge : f32", "%gs = arith.divf %one, %gd : f32"]
+        gr = "%gs"
+        if el != "f32":
+            body.append(f"%gr = arith.truncf %gs : f32 to {el}")
+            gr = "%gr"
+        body += [f"%gm = arith.mulf {gr}, %y_sh3 : {el}", f"%ys1 = arith.addf %ya, %gm : {el}"]
+        y = "%ys1"
+    if addend:
+        body.append(f"%ys2 = arith.addf {y}, %y_ad3 : {el}")
+        y = "%ys2"
+    maps.append("(t, h)")
+    text = "\n".join(f"      {line}" for line in body)
+    lines += [f"    %tail_e = tensor.empty(%t) : tensor<?x{H}x{el}>",
+              "    %o3 = linalg.generic {indexing_maps = [" + ", ".join(f"affine_map<(t, h) -> {m}>" for m in maps)
+              + "], iterator_types = [\"parallel\", \"parallel\"]}\n"
+              f"        ins({', '.join(ins)} : {', '.join(types)}) outs(%tail_e : tensor<?x{H}x{el}>) {{\n"
+              f"    ^bb0({', '.join(args)}, %yo: {el}):\n{text}\n      linalg.yield {y} : {el}\n    }} -> tensor<?x{H}x{el}>"]
+    return "\n".join(lines)
+
+
+def _flat(t, H: int) -> str:
+    """The flattened length of a [T, H] operand's type: ``?`` when T is dynamic."""
+    return "?" if t.dims[0] is None else str(t.dims[0] * H)
 
 
 def _f32_bits(v: float) -> int:
@@ -416,7 +541,7 @@ def _f32_bits(v: float) -> int:
 def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], routed: bool) -> str:
     """The stream.executable with the two exports calling the statically linked kernels (bareptr ABI)."""
     # (element type, size: static int or an SSA dim computed in the function) of each binding, output last
-    ids = ("i64", "%tk" if routed else 1)
+    ids = ("i64", "%tk" if routed else 2)
     gate_up = [(el, "%th"), (el, "%tl"), ids, (wel, S["fc1"]), (el, S["s1"]), ("i8", S["z1"]), (el, S["b1"]), ("f32", "%tki")]
     down = [(el, "%tl"), ids, ("f32", "%tki"), (wel, S["fc2"]), (el, S["s2"]), ("i8", S["z2"]), (el, S["b2"]), (el, "%th")]
     scalars = ["%t", "%h", "%i", "%e", "%k", "%bs", "%fl", "%al", "%be", "%li"]
@@ -452,14 +577,14 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], route
 
 
 def _cuda_executable(name: str, obj: str, el: str) -> str:
-    """The ``hal.executable.source`` declaring the PTX kernels ``moe_gate_up_<el>`` and ``moe_down_<el>``: 8
-    bindings each (7 read, the last written), 10 i32 push constants, workgroups of CUDA_THREADS threads on the
-    grid the dispatch's workload gives (pairs or tokens, row blocks)."""
-    bindings = kernel_bindings(7, 1)
+    """The ``hal.executable.source`` declaring the PTX kernels ``moe_gate_up_<el>`` (7 bindings read, the act rows
+    written) and ``moe_down_<el>`` (9 read: the routing, act, the down weights, the shared expert and its gate;
+    the output written), 10 i32 push constants, workgroups of CUDA_THREADS threads on the grid the dispatch's
+    workload gives (tokens, row blocks)."""
     exports = []
-    for ordinal, export in enumerate((f"moe_gate_up_{el}", f"moe_down_{el}")):
+    for ordinal, (export, read) in enumerate(((f"moe_gate_up_{el}", 7), (f"moe_down_{el}", 9))):
         exports.append(f"""    hal.executable.export public @{export} ordinal({ordinal})
-        layout(#hal.pipeline.layout<constants = 10, bindings = [{bindings}]>)
+        layout(#hal.pipeline.layout<constants = 10, bindings = [{kernel_bindings(read, 1)}]>)
         count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{
       %c1 = arith.constant 1 : index
       hal.return %gx, %gy, %c1 : index, index, index

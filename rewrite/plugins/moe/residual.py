@@ -1,8 +1,8 @@
 """``fused-moe-residual``: the residual sum after an MoE block moves into its FusedMoE (input 11, ``addend``).
 
 Qwen3-MoE's decoder layer ends ``h = h + moe(norm(h))``: as written, the Add is a launch of its own after the
-block's two kernels (48 per decode step of Qwen3-30B-A3B, ~8 us of host time each on an H200: BENCHMARKS.md).
-With the addend, ``moe_down`` on CUDA adds it in its store (the addend tied in place as its output); ONNX Runtime
+block's kernel (48 per decode step of Qwen3-30B-A3B, ~8 us of host time each on an H200: BENCHMARKS.md).
+With the addend, the down half on CUDA adds it in its store (the addend tied in place as its output); ONNX Runtime
 and llvm-cpu get the Add back after the block. Matched::
 
     Y = FusedMoE(...)                       (no addend yet; Y read by one node)
@@ -102,7 +102,8 @@ def fuse_residual(graph: Graph, report: PluginReport, *, dry_run: bool = False) 
         if reshape is not None:
             addend = b.op("Reshape", [r, b.const(np.array([-1, hidden.shape[1]], np.int64), "addend_shape")],
                           dtype=hidden.dtype, shape=graph.values[node.outputs[0]].shape)
-        ins = list(node.inputs) + [""] * (ADDEND_PORT - len(node.inputs)) + [addend]
+        ins = list(node.inputs) + [""] * (ADDEND_PORT + 1 - len(node.inputs))
+        ins[ADDEND_PORT] = addend  # (fused-moe-shared's inputs, when there, follow it)
         moe_out = graph.values[node.outputs[0]]
         y = b.op("FusedMoE", ins, domain=DOMAIN, dtype=moe_out.dtype, shape=moe_out.shape,
                  **{k: node.attr(k) for k in node.attrs})

@@ -1,8 +1,12 @@
 // FusedMoE CUDA kernels for IREE's cuda target (extern dispatches; PTX for sm_80, which sm_90 runs).
 //
 // IREE CUDA dispatch ABI (samples/custom_dispatch/cuda/kernels in IREE): the bindings' base pointers in binding
-// order, then each push constant as a 32-bit integer. Both kernels take the same 10 constants:
+// order, then each push constant as a 32-bit integer. The kernels take the same 10 constants:
 //   t, h, i, e, k, bs, flags, alpha_bits, beta_bits, limit_bits
+// (moe_fused also gy1, gy2: the row blocks per token of each half, and its dispatch site's counter slot).
+// moe_fused_<el> is both halves in one launch (the lowering's choice; see fused() below): bindings x, logits, ids,
+// w1, s1, z1, b1, w2, s2, z2, b2, shared, gate, out, act. moe_gate_up_<el> then moe_down_<el> are the same work in
+// two launches (down's bindings: logits, ids, act, w2, s2, z2, b2, shared, gate, out).
 // Layouts and semantics: the contract of ai.rewrite::FusedMoE (rewrite/plugins/moe/lowering.py) and the CPU
 // kernels (moe_cpu.c), which these follow step for step:
 //   x [T, H], logits [T, E] (ROUTED: weights [T, k]), ids [T, k] i64 (ROUTED), w1 [E, 2I, H] float or INT4 codes
@@ -43,6 +47,7 @@
 #define ROUTED 32
 #define BIAS 64
 #define ADDEND 128
+#define SHARED 256
 
 #define MAX_K 64
 #define THREADS 256    // 8 warps per workgroup (CUDA_THREADS in lowering.py)
@@ -67,10 +72,13 @@ __device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
 __device__ __forceinline__ float rnd(const float*, float v) { return v; }
 __device__ __forceinline__ float rnd(const __half*, float v) { return __half2float(__float2half_rn(v)); }
-// down's store: with ADDEND, out holds the addend (the residual, tied in place) and gets round(round(v) + addend),
-// as the ONNX Add after the block computes it
+// down's store of row i of token t: with SHARED, plus the gated shared expert, round(round(v) +
+// round(round(sigmoid(gate[t])) * shared[i])); with ADDEND, out holds the addend (the residual, tied in place) and
+// gets round(round(v) + addend): each step rounded as the ONNX Sigmoid, Mul and Adds after the block compute it
 template <typename T>
-__device__ __forceinline__ void st_out(T* out, long long i, float v, int flags) {
+__device__ __forceinline__ void st_out(T* out, long long i, float v, int flags, const T* shared, const T* gate,
+                                       long long t) {
+  if (flags & SHARED) v = rnd(out, v) + rnd(out, rnd(out, 1.f / (1.f + expf(-ld(gate, t)))) * ld(shared, i));
   if (flags & ADDEND) v = rnd(out, v) + ld(out, i);
   st(out, i, v);
 }
@@ -196,18 +204,33 @@ __device__ __forceinline__ void load8(const __half* __restrict__ v, int c, float
     o[2 * n] = f.x, o[2 * n + 1] = f.y;
   }
 }
+// the same through the L2 only (ld.global.cg): act rows written by other workgroups of the same launch (moe_fused),
+// which the read-only path (__ldg) may not read
+__device__ __forceinline__ void load8_cg(const float* __restrict__ v, int c, float* o) {
+  float4 a = __ldcg((const float4*)(v + c)), b = __ldcg((const float4*)(v + c + 4));
+  o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+}
+__device__ void load8_cg(const __half* __restrict__ v, int c, float* o) = delete;  // act rows are f32 only
+__device__ __forceinline__ float ld_cg(const float* p, long long i) { return __ldcg(p + i); }
+__device__ float ld_cg(const __half* p, long long i) = delete;  // act rows are f32 only
+template <bool CG, typename V>
+__device__ __forceinline__ void load8v(const V* __restrict__ v, int c, float* o) {
+  if constexpr (CG) load8_cg(v, c, o); else load8(v, c, o);
+}
 
 // Lane-parallel dot of row `row` of a [*, N, Kd] weight with the vector v (global, read through the L1: every
 // warp of the block reads the same one); full sum on every lane. INT4 rows with Kd and bs multiples of 32 are
 // read 16 bytes (32 codes) per lane per load, two loads in flight; others 4 bytes (8 codes) at a time.
-template <typename T, typename V>
+template <bool CG = false, typename T, typename V>
 __device__ float row_dot(const void* __restrict__ w, const T* __restrict__ s, const uint8_t* __restrict__ z,
                          long long row, int Kd, int bs, int flags, const V* __restrict__ v) {
   int lane = threadIdx.x & 31;
   float acc = 0.f;
   if (!(flags & INT4)) {
     const T* p = (const T*)w + row * Kd;
-    for (int c = lane; c < Kd; c += 32) acc += ld(p, c) * ld(v, c);
+    for (int c = lane; c < Kd; c += 32) {
+      if constexpr (CG) acc += ld(p, c) * ld_cg(v, c); else acc += ld(p, c) * ld(v, c);
+    }
     return warp_sum(acc);
   }
   int nb = (Kd + bs - 1) / bs;
@@ -224,7 +247,7 @@ __device__ float row_dot(const void* __restrict__ w, const T* __restrict__ s, co
       float dot = 0.f, vs = 0.f;
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        load8(v, 32 * q + 8 * m, xs);
+        load8v<CG>(v, 32 * q + 8 * m, xs);
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
           dot += (float)((words[m] >> (4 * n)) & 15u) * xs[n];
@@ -240,7 +263,7 @@ __device__ float row_dot(const void* __restrict__ w, const T* __restrict__ s, co
   const uint32_t* p = (const uint32_t*)base;
   for (int q = lane; q < Kd / 8; q += 32) {  // 8 codes per 32-bit word, one block's (bs % 8 == 0)
     uint32_t word = __ldg(p + q);
-    load8(v, 8 * q, xs);
+    load8v<CG>(v, 8 * q, xs);
     float dot = 0.f, vs = 0.f;
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -257,11 +280,11 @@ __device__ float row_dot(const void* __restrict__ w, const T* __restrict__ s, co
 // ---------------------------------------------------------------- fast path: f16, INT4, multiples of 32
 
 // Stage n values of v (n % 8 == 0) into sh as n/2 half2, scaled and permuted per 8 (see the header).
-template <typename V>
+template <bool CG = false, typename V>
 __device__ __forceinline__ void stage(const V* __restrict__ v, int n, __half2* sh) {
   for (int g = threadIdx.x; g < n / 8; g += THREADS) {
     float f[8];
-    load8(v, 8 * g, f);
+    load8v<CG>(v, 8 * g, f);
 #pragma unroll
     for (int m = 0; m < 4; ++m) sh[4 * g + m] = __floats2half2_rn(f[m] * VEC_SCALE, f[m + 4] * VEC_SCALE);
   }
@@ -346,20 +369,20 @@ __device__ __forceinline__ float swiglu(float g, float u, float alpha, float bet
 
 // ---------------------------------------------------------------- the two kernels
 
+// Row block ``by`` of ``gy`` of token t's gate_up items (moe_gate_up: the workgroup's; moe_fused: its ticket's).
+// w, ids: shared, MAX_K each; xsh: shared, MAX_XH / 2 half2. ``tail``: write the routing behind the act rows (the
+// first row block of a token, for moe_down).
 template <typename T>
 __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, const long long* __restrict__ given,
                         const void* __restrict__ w1, const T* __restrict__ s1, const uint8_t* __restrict__ z1,
                         const T* __restrict__ b1, float* __restrict__ act, int H, int I, int E, int K, int bs,
-                        int tokens, int flags, int alpha_b, int beta_b, int limit_b) {
-  __shared__ float w[MAX_K];
-  __shared__ long long ids[MAX_K];
-  __shared__ __align__(16) __half2 xsh[MAX_XH / 2];
-  int t = blockIdx.x;
-  int rows = (I + gridDim.y - 1) / gridDim.y, r0 = blockIdx.y * rows, r1 = min(I, r0 + rows);
+                        int tokens, int flags, int alpha_b, int beta_b, int limit_b, int t, int by, int gy,
+                        bool tail_out, float* w, long long* ids, __half2* xsh) {
+  int rows = (I + (unsigned)gy - 1) / (unsigned)gy, r0 = by * rows, r1 = min(I, r0 + rows);
   bool fast = fast_path(flags, H, I, K, bs);
   const T* xv = x + (long long)t * H;
   if (fast && threadIdx.x >= 32) stage(xv, H, xsh);  // warps 1.. stage x while warp 0 routes
-  float* tail = blockIdx.y == 0 ? act + (long long)tokens * K * I + 2LL * K * t : nullptr;
+  float* tail = tail_out && by == 0 ? act + (long long)tokens * K * I + 2LL * K * t : nullptr;
   route(logits, given, t, E, K, flags, ids, w, tail);
   if (fast && threadIdx.x < 32) stage(xv, H, xsh);  // warp 0's share of the groups, after routing
   __syncthreads();
@@ -443,23 +466,33 @@ struct Piece {
   __half2 zh;
 };
 
-template <typename T>
+// Wait until ``*ready`` (a counter of the launch's finished gate_up workgroups) reaches ``need``: one thread polls
+// with acquire loads, then the workgroup's barrier; every thread of the workgroup must call it.
+__device__ __forceinline__ void wait_for(const unsigned* ready, unsigned need) {
+  if (threadIdx.x == 0) {
+    unsigned v;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(ready) : "memory");  // generic address
+      if (v >= need) break;
+      __nanosleep(32);
+    }
+    __threadfence();  // as cooperative groups' grid sync does after its wait
+  }
+  __syncthreads();
+}
+
+// Row block ``by`` of ``gy`` of token t's H rows. w, ids: the token's routing (shared); ash: shared, MAX_ACT / 2
+// half2. ``ready`` (moe_fused; null for moe_down): the act rows are read only once it counts ``need``, after the
+// first pass's weight loads are issued; CG: the act rows through the L2 only (written in the same launch).
+template <bool CG, typename T>
 __device__ void down(const float* __restrict__ act, const void* __restrict__ w2, const T* __restrict__ s2,
-                     const uint8_t* __restrict__ z2, const T* __restrict__ b2, T* __restrict__ out, int tokens, int H,
-                     int I, int K, int bs, int flags) {
-  __shared__ float wsh[WARPS][MAX_K];
-  __shared__ int idsh[WARPS][MAX_K];
-  __shared__ __align__(16) __half2 ash[MAX_ACT / 2];
-  int t = blockIdx.x;
-  int rows = (H + gridDim.y - 1) / gridDim.y, r0 = blockIdx.y * rows, r1 = min(H, r0 + rows);
+                     const uint8_t* __restrict__ z2, const T* __restrict__ b2, const T* __restrict__ shared,
+                     const T* __restrict__ gate, T* __restrict__ out, int H, int I, int K, int bs, int flags, int t,
+                     int by, int gy, const float* w, const int* ids, __half2* ash, const unsigned* ready,
+                     unsigned need) {
+  int rows = (H + (unsigned)gy - 1) / (unsigned)gy, r0 = by * rows, r1 = min(H, r0 + rows);
   int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const float* at = act + (long long)t * K * I;  // the token's k act rows, contiguous
-  const float* tail = act + (long long)tokens * K * I + 2LL * K * t;
-  // each warp its own copy of the routing (read from L2, no barrier before the weight loads)
-  float* w = wsh[warp];
-  int* ids = idsh[warp];
-  for (int j = lane; j < K; j += 32) w[j] = tail[j], ids[j] = __float_as_int(tail[K + j]);
-  __syncwarp();
   bool fast = fast_path(flags, H, I, K, bs);
   if (fast) {
     int nq = I / 32, nb = (I + bs - 1) / bs, np = K * nq;  // pieces per row, scale blocks, pieces of all k rows
@@ -479,7 +512,8 @@ __device__ void down(const float* __restrict__ act, const void* __restrict__ w2,
       }
     };
     issue(r, 0);
-    stage(at, K * I, ash);
+    if (ready) wait_for(ready, need);
+    stage<CG>(at, K * I, ash);
     __syncthreads();
     for (; r < r1; r += WARPS) {
       float total = 0.f;
@@ -499,41 +533,129 @@ __device__ void down(const float* __restrict__ act, const void* __restrict__ w2,
         if (flags & BIAS)
           for (int j = 0; j < K; ++j)
             if (ids[j] >= 0) total += w[j] * ld(b2, (long long)ids[j] * H + r);
-        st_out(out, (long long)t * H + r, total, flags);
+        st_out(out, (long long)t * H + r, total, flags, shared, gate, t);
       }
     }
     return;
   }
+  if (ready) wait_for(ready, need);
   for (int r = r0 + warp; r < r1; r += WARPS) {
     float acc = 0.f;
     for (int j = 0; j < K; ++j) {
       long long e = ids[j];
       if (e < 0) continue;
-      float d = row_dot(w2, s2, z2, e * H + r, I, bs, flags, act + ((long long)t * K + j) * I);
+      float d = row_dot<CG>(w2, s2, z2, e * H + r, I, bs, flags, act + ((long long)t * K + j) * I);
       if (flags & BIAS) d += ld(b2, e * H + r);
       acc += w[j] * d;
     }
-    if (lane == 0) st_out(out, (long long)t * H + r, acc, flags);
+    if (lane == 0) st_out(out, (long long)t * H + r, acc, flags, shared, gate, t);
   }
 }
 
+// One launch of both halves (moe_fused_<el>): a 1-D grid of T * (gy1 + gy2) workgroups. Each takes a ticket from
+// the slot's counters in the order workgroups start; tickets 0 .. T*gy1-1 are gate_up row blocks (token-major),
+// the rest down row blocks. A down workgroup routes its token itself (off the critical path: gate_up is still
+// running), issues its first pass of weight loads, and only then waits until every gate_up workgroup has counted
+// itself done. Every lower ticket belongs to a workgroup that has already started, so the wait ends whatever the
+// grid's size and residency (the tickets, not blockIdx, order the work). The last down workgroup to finish sets
+// the slot's counters back to zero for the next launch (stream order). The counters are this module's own memory,
+// zero when the driver loads it: no buffer to clear per call. A slot is one dispatch site (the lowering numbers
+// them across the module: iree-compile merges equal executables into one PTX module), so two launches of this
+// kernel that might overlap never share counters.
+#ifndef SYNC_SLOTS
+#define SYNC_SLOTS 1024
+#endif
+__device__ unsigned moe_sync[SYNC_SLOTS][4];  // ticket, gate_up done, down done, (pad)
+
+template <typename T>
+__device__ void fused(const T* __restrict__ x, const T* __restrict__ logits, const long long* __restrict__ given,
+                      const void* __restrict__ w1, const T* __restrict__ s1, const uint8_t* __restrict__ z1,
+                      const T* __restrict__ b1, const void* __restrict__ w2, const T* __restrict__ s2,
+                      const uint8_t* __restrict__ z2, const T* __restrict__ b2, const T* __restrict__ shared,
+                      const T* __restrict__ gate, T* __restrict__ out, float* __restrict__ act, int tokens, int H, int I, int E, int K, int bs, int flags, int alpha_b,
+                      int beta_b, int limit_b, int gy1, int gy2, int slot) {
+  __shared__ unsigned ticket;
+  __shared__ float w[MAX_K];
+  __shared__ long long ids[MAX_K];
+  __shared__ int ids32[MAX_K];
+  __shared__ __align__(16) __half2 vsh[MAX_ACT / 2];  // x for gate_up, the act rows for down (MAX_XH <= MAX_ACT)
+  unsigned* sync = moe_sync[slot];
+  if (threadIdx.x == 0) ticket = atomicAdd(&sync[0], 1u);
+  __syncthreads();
+  unsigned n = ticket, g1 = (unsigned)tokens * gy1, g2 = (unsigned)tokens * gy2;
+  if (n < g1) {
+    gate_up(x, logits, given, w1, s1, z1, b1, act, H, I, E, K, bs, tokens, flags, alpha_b, beta_b, limit_b,
+            (int)(n / gy1), (int)(n % gy1), gy1, false, w, ids, vsh);
+    __syncthreads();  // every act row of this workgroup is stored
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(&sync[1], 1u);
+    }
+    return;
+  }
+  n -= g1;
+  int t = (int)(n / gy2);
+  route(logits, given, t, E, K, flags, ids, w, nullptr);
+  for (int j = threadIdx.x; j < K; j += THREADS) ids32[j] = (int)ids[j];
+  __syncthreads();
+  down<true>(act, w2, s2, z2, b2, shared, gate, out, H, I, K, bs, flags, t, (int)(n % gy2), gy2, w, ids32, vsh, &sync[1],
+             g1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&sync[2], 1u) == g2 - 1) {  // the last workgroup of the launch: every ticket is taken, every wait over
+      __threadfence();  // the other workgroups' counter updates before the reset
+      sync[0] = 0u, sync[1] = 0u, sync[2] = 0u;
+    }
+  }
+}
+
+#ifndef FUSED_MIN_BLOCKS
+#define FUSED_MIN_BLOCKS 3  // moe_fused: __launch_bounds__ minimum of resident workgroups per SM (80 registers; 2 was
+#endif                      // 19% slower at the seeds' decode shapes on an H100: BENCHMARKS.md)
+
 #define GATE_UP(name, T)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(THREADS, GATE_MIN_BLOCKS) name(                                                  \
+  extern "C" __global__ void __launch_bounds__(THREADS, GATE_MIN_BLOCKS) name(                                  \
       const T* x, const T* logits, const long long* given, const void* w1, const T* s1, const uint8_t* z1,      \
       const T* b1, float* act, int t, int H, int I, int E, int K, int bs, int flags, int alpha_b, int beta_b,   \
       int limit_b) {                                                                                             \
-    gate_up(x, logits, given, w1, s1, z1, b1, act, H, I, E, K, bs, t, flags, alpha_b, beta_b, limit_b);        \
+    __shared__ float w[MAX_K];                                                                                   \
+    __shared__ long long ids[MAX_K];                                                                             \
+    __shared__ __align__(16) __half2 xsh[MAX_XH / 2];                                                            \
+    gate_up(x, logits, given, w1, s1, z1, b1, act, H, I, E, K, bs, t, flags, alpha_b, beta_b, limit_b,          \
+            blockIdx.x, blockIdx.y, gridDim.y, true, w, ids, xsh);                                               \
   }
+// moe_down: each warp its own copy of the routing gate_up left behind the act rows (read from the L2, no barrier
+// before the weight loads)
 #define DOWN(name, T)                                                                                           \
   extern "C" __global__ void __launch_bounds__(THREADS) name(                                                  \
       const T* logits, const long long* given, const float* act, const void* w2, const T* s2, const uint8_t* z2, \
-      const T* b2, T* out, int t, int H, int I, int E, int K, int bs, int flags, int alpha_b, int beta_b,       \
-      int limit_b) {                                                                                             \
+      const T* b2, const T* shared, const T* gate, T* out, int t, int H, int I, int E, int K, int bs, int flags, \
+      int alpha_b, int beta_b, int limit_b) {                                                                    \
     (void)logits, (void)given, (void)E, (void)alpha_b, (void)beta_b, (void)limit_b;                             \
-    down(act, w2, s2, z2, b2, out, t, H, I, K, bs, flags);                                                     \
+    __shared__ float wsh[WARPS][MAX_K];                                                                          \
+    __shared__ int idsh[WARPS][MAX_K];                                                                           \
+    __shared__ __align__(16) __half2 ash[MAX_ACT / 2];                                                           \
+    int warp = threadIdx.x / 32, tok = blockIdx.x;                                                               \
+    const float* tail = act + (long long)t * K * I + 2LL * K * tok;                                              \
+    for (int j = threadIdx.x & 31; j < K; j += 32) wsh[warp][j] = tail[j], idsh[warp][j] = __float_as_int(tail[K + j]); \
+    __syncwarp();                                                                                                \
+    down<false>(act, w2, s2, z2, b2, shared, gate, out, H, I, K, bs, flags, tok, blockIdx.y, gridDim.y, wsh[warp], \
+                idsh[warp], ash, nullptr, 0u);                                                                   \
+  }
+#define FUSED(name, T)                                                                                          \
+  extern "C" __global__ void __launch_bounds__(THREADS, FUSED_MIN_BLOCKS) name(                                 \
+      const T* x, const T* logits, const long long* given, const void* w1, const T* s1, const uint8_t* z1,      \
+      const T* b1, const void* w2, const T* s2, const uint8_t* z2, const T* b2, const T* shared, const T* gate,  \
+      T* out, float* act, int t, int H, int I, int E, int K, int bs, int flags, int alpha_b, int beta_b,        \
+      int limit_b, int gy1, int gy2, int slot) {                                                                 \
+    fused(x, logits, given, w1, s1, z1, b1, w2, s2, z2, b2, shared, gate, out, act, t, H, I, E, K, bs, flags,    \
+          alpha_b, beta_b, limit_b, gy1, gy2, slot);                                                             \
   }
 
 GATE_UP(moe_gate_up_f32, float)
 GATE_UP(moe_gate_up_f16, __half)
 DOWN(moe_down_f32, float)
 DOWN(moe_down_f16, __half)
+FUSED(moe_fused_f32, float)
+FUSED(moe_fused_f16, __half)
