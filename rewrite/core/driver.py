@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 import gc
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
-from rewrite.core.ir import RULE_TAG, Graph
+from rewrite.core.ir import RULE_TAG, Graph, Node
 from rewrite.core.matcher import Failure, Match, Matcher, MatchTrace
 from rewrite.core.rules import Builder, Rule
 from rewrite.errors import PluginError, RewriteError
@@ -40,6 +40,8 @@ class RewriteContext:
     dims: dict[str, int] = field(default_factory=dict)
     options: dict = field(default_factory=dict)
 
+T = TypeVar("T")
+
 #: Passes over all rules before the driver stops even if rewrites still apply.
 MAX_ITERATIONS = 16
 
@@ -60,6 +62,17 @@ class RuleReport:
         nodes = self.refusals.setdefault(reason, [])
         if node not in nodes:
             nodes.append(node)
+
+    def found(self, nodes: Iterable[Node], find: Callable[[Node], T | str | None]) -> Iterator[tuple[Node, T]]:
+        """(node, match) for each of ``nodes`` (a list, not a view: passes rewrite the graph as they go) where ``find`` matches,
+        for passes that find their matches themselves: ``find`` returns None (nothing there, skipped), a refusal
+        reason (recorded against the node's name) or the match."""
+        for node in nodes:
+            got = find(node)
+            if isinstance(got, str):
+                self.refuse(got, node.name)
+            elif got is not None:
+                yield node, got
 
     def applied(self, removed: int, added: int, matches: int = 1) -> None:
         """Record ``matches`` applied matches that removed ``removed`` nodes and added ``added`` (for passes that

@@ -32,17 +32,10 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, max_k: int | None 
     shared row; None: any); returns the number of norms fused, recorded in ``report``."""
     rr = report.rule(NORM_PROLOGUE)
     fused = 0
-    for node in list(graph.nodes_by_op("MatMulInt4", DOMAIN)):
-        if node.attr("norm_epsilon") is not None or node.id not in graph.nodes:
-            continue
+    unfused = lambda n: n.attr("norm_epsilon") is None and n.id in graph.nodes  # noqa: E731
+    for node, (x0, weight, eps, norm_nodes) in rr.found(graph.nodes_by_op("MatMulInt4", DOMAIN),
+                                                        lambda n: find_rms_norm(graph, n.inputs[0]) if unfused(n) else None):
         a = node.inputs[0]
-        found = find_rms_norm(graph, a)
-        if found is None:
-            continue
-        if isinstance(found, str):
-            rr.refuse(found, node.name)
-            continue
-        x0, weight, eps, norm_nodes = found
         shapes = shape_readers(graph, [c for c, _ in graph.uses(a) if c != node.id])
         if shapes is None or node.inputs.count(a) != 1:
             rr.refuse("the norm's output is read by more than this product's A (and Shape ops)", node.name)

@@ -83,14 +83,7 @@ def fuse_residual(graph: Graph, report: PluginReport, *, dry_run: bool = False) 
     recorded in ``report``."""
     rr = report.rule(RESIDUAL)
     fused = 0
-    for node in graph.nodes_by_op("FusedMoE", DOMAIN):
-        got = _residual_of(graph, node)
-        if got is None:
-            continue
-        if isinstance(got, str):
-            rr.refuse(got, node.name)
-            continue
-        reshape, add, r = got
+    for node, (reshape, add, r) in rr.found(graph.nodes_by_op("FusedMoE", DOMAIN), lambda n: _residual_of(graph, n)):
         fused += 1
         rr.applied(removed=2 + (reshape is not None), added=1 + 2 * (reshape is not None))
         if dry_run:

@@ -74,14 +74,7 @@ def fuse_shared(graph: Graph, report: PluginReport, *, dry_run: bool = False) ->
     FusedMoE, recorded in ``report``."""
     rr = report.rule(SHARED)
     fused = 0
-    for node in graph.nodes_by_op("FusedMoE", DOMAIN):
-        got = _shared_of(graph, node)
-        if got is None:
-            continue
-        if isinstance(got, str):
-            rr.refuse(got, node.name)
-            continue
-        add, mul, s, g = got
+    for node, (add, mul, s, g) in rr.found(graph.nodes_by_op("FusedMoE", DOMAIN), lambda n: _shared_of(graph, n)):
         sigmoid = graph.producer_node(mul.inputs[0] if mul.inputs[1] == s else mul.inputs[1])
         fused += 1
         rr.applied(removed=3 + (graph.only_reader(sigmoid.outputs[0]) is mul), added=1)
