@@ -74,7 +74,9 @@ MAX_SEQ = 256
 #: pick its matrix-vector code for the dense MatMuls, and the step's command buffer is recorded once); its prefill is
 #: one call per prompt token. "iree-t1-nomerge": the same without matmul4's shared-input merge; "iree-t1-noprologue":
 #: without matmul4's and densemm's rms-norm-prologue (each norm a launch of its own); "iree-t1-one": FusedMoE in one
-#: launch (moe_fused) instead of two; "iree-t1-noshared": without moe's fused-moe-shared (Qwen1.5-MoE's gated
+#: launch (moe_fused) instead of two; "iree-t1-next": with the greedy next token in the module
+#: (``--next-token``), decoded on the device several steps in flight (``Generator.decode``) and, for the ratio, by the
+#: host's argmax loop on the same folder; "iree-t1-noshared": without moe's fused-moe-shared (Qwen1.5-MoE's gated
 #: shared expert summed by an elementwise dispatch); "iree-t1-norope":
 #: without the rope and norm plugins (IREE's own norms and RoPE); "iree-t1-noattn": without those and the
 #: attention plugin (IREE's own lowering of the attention core too).
@@ -87,6 +89,8 @@ CONFIGS = {
                            ("--dim", "seq_len=1", "--opt", "matmul4.prologue=false", "--opt", "densemm.prologue=false")),
     "iree-t1-one": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                     ("--dim", "seq_len=1", "--opt", "moe.launches=1")),
+    "iree-t1-next": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
+                     ("--dim", "seq_len=1", "--next-token")),
     "iree-t1-noshared": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                          ("--dim", "seq_len=1", "--opt", "moe.shared=false")),
     "iree-t1-norope": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,attention,topk,moe", ("--dim", "seq_len=1")),
@@ -202,17 +206,22 @@ def _prefill(step, prompt: list[int], width: int | None) -> np.ndarray:
     return step(np.array([prompt], np.int64))
 
 
-def _timed_generate(step, prompt: list[int], steps: int, width: int | None = None) -> dict:
+def _timed_generate(step, prompt: list[int], steps: int, width: int | None = None, decode=None) -> dict:
     """Prefill ``prompt`` (:func:`_prefill`), then ``steps`` greedy one-token calls; ``step(ids [1, n]) ->
-    logits [1, n, vocab]`` (host). Returns tokens, the last position's logits of each step and wall times."""
+    logits [1, n, vocab]`` (host). Returns tokens, the last position's logits of each step and wall times.
+    ``decode(token, count) -> tokens``: the decode calls made that way instead (``Generator.decode`` on the
+    device: no logits come back, ``logits`` holds the prefill's only)."""
     t0 = time.perf_counter()
     logits = _prefill(step, prompt, width)
     tokens, last = [greedy_token(logits[0, -1])], [logits[0, -1]]
     t1 = time.perf_counter()
-    for _ in range(steps - 1):
-        logits = step(np.array([[tokens[-1]]], np.int64))
-        tokens.append(greedy_token(logits[0, -1]))
-        last.append(logits[0, -1])  # converted after the timing: a 152k-entry f16 -> f32 copy costs ~0.3 ms
+    if decode is not None:
+        tokens += decode(tokens[-1], steps - 1)
+    else:
+        for _ in range(steps - 1):
+            logits = step(np.array([[tokens[-1]]], np.int64))
+            tokens.append(greedy_token(logits[0, -1]))
+            last.append(logits[0, -1])  # converted after the timing: a 152k-entry f16 -> f32 copy costs ~0.3 ms
     t2 = time.perf_counter()
     last = [row.astype(np.float32) for row in last]
     return {"tokens": tokens, "logits": np.stack(last), "prefill_s": t1 - t0, "decode_s": t2 - t1,
@@ -241,19 +250,28 @@ def compare_logits(step, prompt: list[int], ref_tokens: list[int], ref_logits: n
 PROFILE_STEPS = 8
 
 
-def kernel_profile(step, token: int, steps: int = PROFILE_STEPS) -> tuple[list[dict], dict]:
+STEP_RANGE, ARGMAX_RANGE = "decode step", "argmax"  #: record_function ranges of :func:`kernel_profile`
+
+
+def kernel_profile(step, token: int, steps: int = PROFILE_STEPS, decode=None) -> tuple[list[dict], dict]:
     """GPU time per decode token of each kernel that ``steps`` more one-token ``step`` calls launch, from CUPTI
     through ``torch.profiler`` (it sees every CUDA context of the process: IREE's and ONNX Runtime's kernels too),
     largest first: ``{"kernel", "us_per_token", "launches_per_token"}``; and the timeline of those steps
-    (:func:`timeline`). Both empty when the profiler fails."""
+    (:func:`timeline`, with the host's phases of :func:`host_phases` under ``"host"``). ``decode(token, count)``:
+    the steps made by one such call instead (the device's loop: no per-step host phases). Both empty when the
+    profiler fails."""
     try:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, record_function
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
-            for _ in range(steps):
-                logits = step(np.array([[token]], np.int64))
-                token = greedy_token(logits[0, -1])
+            if decode is not None:
+                decode(token, steps)
+            for _ in range(steps if decode is None else 0):
+                with record_function(STEP_RANGE):
+                    logits = step(np.array([[token]], np.int64))
+                with record_function(ARGMAX_RANGE):
+                    token = greedy_token(logits[0, -1])
             wall = time.perf_counter() - t0
         rows = [{"kernel": e.key, "us_per_token": e.device_time_total / steps, "launches_per_token": e.count / steps}
                 for e in prof.key_averages() if e.device_time_total > 0]
@@ -262,10 +280,56 @@ def kernel_profile(step, token: int, steps: int = PROFILE_STEPS) -> tuple[list[d
         return [], {}
     try:
         line = timeline(prof, steps, wall)
+        line["host"] = host_phases(prof)
     except Exception as e:  # (kineto_results is torch.profiler's internal API)
         print(f"  timeline failed: {type(e).__name__}: {e}", flush=True)
         line = {}
     return sorted(rows, key=lambda r: -r["us_per_token"]), line
+
+
+def host_phases(prof) -> dict:
+    """Where the host's time of a profiled decode step goes (medians over the steps, us): ``step`` (the
+    :data:`STEP_RANGE` call: inputs to the device, the module's invocation, the logits back), ``to_first_launch``
+    (from the call's start to its first ``cuLaunchKernel``: argument conversion, queue allocations, the runtime's
+    setup), ``launching`` (first to last launch call), ``after_launches`` (last launch call's end to the call's
+    end: waiting for the GPU, the logits' copy), ``gpu_end_to_return`` (the step's last GPU activity's end to the
+    call's end: the host's work once the GPU is done), ``argmax`` and ``between_steps`` (the loop's own time); and
+    ``api``: each CUDA driver or runtime call the steps made, ``{name: [calls per step, us per step]}``, largest
+    first (a synchronization there is the host waiting for the GPU)."""
+    cpu, api, gpu_ends = {}, {}, []
+    for e in prof.profiler.kineto_results.events():
+        name, start, dur = e.name(), e.start_ns(), e.duration_ns()
+        if "cuda" in str(e.device_type()).lower():
+            if dur > 0:
+                gpu_ends.append(start + dur)
+        elif name in (STEP_RANGE, ARGMAX_RANGE):
+            cpu.setdefault(name, []).append((start, start + dur))
+        elif name.startswith("cu"):
+            api.setdefault(name, []).append((start, dur))
+    steps = sorted(cpu.get(STEP_RANGE, []))
+    if not steps:
+        return {}
+    launches = sorted(s for n, calls in api.items() if n.startswith(("cuLaunchKernel", "cudaLaunchKernel")) for s, _ in calls)
+    gpu_ends.sort()
+    phases = {k: [] for k in ("step", "to_first_launch", "launching", "after_launches", "gpu_end_to_return", "between_steps")}
+    for i, (s, e) in enumerate(steps):
+        inside = [t for t in launches if s <= t <= e]
+        phases["step"].append(e - s)
+        if inside:
+            phases["to_first_launch"].append(inside[0] - s)
+            phases["launching"].append(inside[-1] - inside[0])
+            phases["after_launches"].append(e - inside[-1])
+        ends = [t for t in gpu_ends if s <= t <= e]
+        if ends:
+            phases["gpu_end_to_return"].append(e - ends[-1])
+        if i + 1 < len(steps):
+            phases["between_steps"].append(steps[i + 1][0] - e)
+    out = {k: float(np.median(v)) / 1e3 for k, v in phases.items() if v}
+    out["argmax"] = float(np.median([e - s for s, e in cpu.get(ARGMAX_RANGE, [(0, 0)])])) / 1e3
+    n = len(steps)
+    out["api"] = {k: [len(v) / n, sum(d for _, d in v) / 1e3 / n]
+                  for k, v in sorted(api.items(), key=lambda kv: -sum(d for _, d in kv[1]))}
+    return out
 
 
 def timeline(prof, steps: int, wall_s: float) -> dict:
@@ -307,10 +371,15 @@ def timeline(prof, steps: int, wall_s: float) -> dict:
     return line
 
 
-def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | None, width: int | None = None) -> dict:
+def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | None, width: int | None = None,
+             decode=None) -> dict:
     """The token check (``CHECK_TOKENS`` after ``prompt[:CHECK_PROMPT]``; also the warm-up: first calls load
     kernels and allocate), the teacher-forced logits check against ``reference`` (:func:`compare_logits`), the
-    timed generation on ``prompt``, then the kernel profile; ``reset()`` before each."""
+    timed generation on ``prompt``, then the kernel profile; ``reset()`` before each.
+
+    With ``decode`` (``Generator.decode`` of a folder that decodes on the device): the token check and the timed
+    generation are made both ways, the host's argmax loop first (``host_loop_decode_tok_s``,
+    ``host_loop_tokens_equal``), and the profile is of the device's loop."""
     check = _timed_generate(step, prompt[:CHECK_PROMPT], CHECK_TOKENS, width)
     compared = None
     if reference is not None:
@@ -319,9 +388,27 @@ def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | No
     reset()
     res = _timed_generate(step, prompt, DECODE_STEPS, width)
     del res["logits"]
+    if decode is not None:
+        host = res
+        try:
+            reset()
+            check_device = _timed_generate(step, prompt[:CHECK_PROMPT], CHECK_TOKENS, width, decode)
+            reset()
+            device = _timed_generate(step, prompt, DECODE_STEPS, width, decode)
+        except Exception as e:  # the host loop's numbers stand; the error is the device loop's result
+            print(f"  decode on the device failed: {type(e).__name__}: {e}", flush=True)
+            res["device_loop_error"] = f"{type(e).__name__}: {e}"
+            decode = None
+            reset()
+        else:
+            res = device
+            del res["logits"]
+            res["host_loop_decode_tok_s"] = host["decode_tok_s"]
+            res["host_loop_tokens_equal"] = host["tokens"] == res["tokens"] and check["tokens"] == check_device["tokens"]
+            check = check_device
     res["check_tokens"], res["check_logits"] = check["tokens"], compared
     if profile:
-        res["profile"], res["timeline"] = kernel_profile(step, res["tokens"][-1])
+        res["profile"], res["timeline"] = kernel_profile(step, res["tokens"][-1], decode=decode)
     return res
 
 
@@ -329,7 +416,8 @@ def _measure_folder(folder: Path, prompt: list[int], reference: dict | None, pro
     from rewrite.generate import Generator
 
     gen = Generator(folder, low_memory=False)
-    return _measure(gen.step, gen.reset, prompt, profile, reference, gen.fixed_width)
+    return _measure(gen.step, gen.reset, prompt, profile, reference, gen.fixed_width,
+                    gen.decode if gen.decodes_on_device else None)
 
 
 def _measure_ort(folder: Path, prompt: list[int], reference: dict | None, device: str = "cuda") -> dict:
@@ -412,9 +500,19 @@ def _measure_torch(arch: str, prompt: list[int], max_seq: int, layers: int | Non
     return res
 
 
-def run(bundle: Path, work: Path, configs: list[str], threads: int | None) -> int:
+def run(bundle: Path, work: Path, configs: list[str], threads: int | None, iree_flags: list[str] = (),
+        label: str | None = None, keep: bool = False) -> int:
+    """Measure ``configs`` (see the module's docstring). ``iree_flags``: IREE runtime flags parsed before the
+    device is created (e.g. ``--cuda_use_streams=false``: command buffers as CUDA graphs); ``label``: results go
+    to ``NAME.LABEL.json`` (the same configuration under other runtime flags); ``keep``: leave each IREE folder
+    in ``work`` and reuse one already there instead of applying again (a second process measuring it)."""
     import seed_form
     import seeded_weights
+
+    if iree_flags:
+        import iree.runtime as rt
+
+        rt.flags.parse_flags(*iree_flags)
 
     if {"ort", "torch", "bandwidth"} & set(configs):
         import torch  # noqa: F401  (before onnxruntime: its CUDA execution provider loads torch's CUDA libraries)
@@ -439,12 +537,14 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None) -> in
         if (results / "reference_logits.npy").exists():
             reference = {"tokens": json.loads((results / "reference.json").read_text())["check_tokens"],
                          "logits": np.load(results / "reference_logits.npy")}
-        out = results / f"{name}.json"
+        out = results / (f"{name}.{label}.json" if label else f"{name}.json")
         if out.exists():
             continue
         t0 = time.perf_counter()
         folder = work / f"{name}.measured"  # (not work / name: prepare's compiled folder when both share work)
-        shutil.rmtree(folder, ignore_errors=True)
+        reuse = keep and (folder / "manifest.json").exists()
+        if not reuse:
+            shutil.rmtree(folder, ignore_errors=True)
         if name == "reference":
             _rewrite("apply", str(seed), "--plugins", REFERENCE_PLUGINS, "--backend", "ort", "-o", str(folder))
             from rewrite.generate import Generator
@@ -464,11 +564,15 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None) -> in
                     "--target", target if backend == "iree" else _ORT_TARGET[target], *more]
             if backend == "iree":
                 args += ["--stateful", "--module-from", str(bundle / name)]
-            _rewrite(*args, "-o", str(folder))
+            if not reuse:
+                _rewrite(*args, "-o", str(folder))
             res = (_measure_ort(folder, prompt, reference, _ORT_TARGET[target]) if backend == "ort"
                    else _measure_folder(folder, prompt, reference, profile=target == "cuda"))
-        shutil.rmtree(folder, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)
         res["wall_s"] = time.perf_counter() - t0
+        if iree_flags:
+            res["iree_flags"] = list(iree_flags)
         out.write_text(json.dumps(res) + "\n")
         print(f"  {out.stem}: {json.dumps({k: v for k, v in res.items() if k not in ('tokens', 'profile', 'logits')})}", flush=True)
         for row in res.get("profile", [])[:12]:
@@ -507,7 +611,8 @@ def report(work: Path, cfg) -> int:
     print(f"{'config':<16} {'prefill tok/s':>14} {'decode tok/s':>13} {'of light':>9} {'GPU us/token':>13} "
           f"{'launches':>9}  check against ONNX Runtime CPU")
     status = 0
-    for name in (*CONFIGS, "torch"):
+    labeled = sorted(n for n in res if "." in n and n.split(".")[0] in CONFIGS)
+    for name in (*CONFIGS, *labeled, "torch"):
         r = res.get(name)
         if r is None:
             continue
@@ -533,6 +638,18 @@ def report(work: Path, cfg) -> int:
               f"gap median {t['gap_median_us']:5.1f} us, p90 {t['gap_p90_us']:5.1f} us"
               + (f"; host per launch {t['launch_interval_us']:.1f} us, {t['launch_api_us']:.1f} of it in cuLaunchKernel"
                  if "launch_api_us" in t else ""))
+        h = t.get("host")
+        if h:
+            api = ", ".join(f"{k} {c:.0f}x {us:.0f} us" for k, (c, us) in list(h["api"].items())[:6])
+            print(f"  {'':<16} host: step {h['step']:.0f} us = {h.get('to_first_launch', 0):.0f} to the first launch + "
+                  f"{h.get('launching', 0):.0f} launching + {h.get('after_launches', 0):.0f} after (GPU end to return "
+                  f"{h.get('gpu_end_to_return', 0):.0f}); argmax {h['argmax']:.0f}, between steps "
+                  f"{h.get('between_steps', 0):.0f}; driver calls per step: {api}")
+    for name, r in res.items():
+        if "host_loop_decode_tok_s" in r:
+            print(f"decode {name}: {r['decode_tok_s']:.1f} tok/s on the device, {r['host_loop_decode_tok_s']:.1f} with the "
+                  f"host's argmax per step on the same folder ({r['decode_tok_s'] / r['host_loop_decode_tok_s']:.2f}x); "
+                  f"tokens {'equal' if r['host_loop_tokens_equal'] else 'DIFFER'}")
     others = [n for n in ("iree-plain", "ort", "torch") if n in res]
     for name in (n for n in CONFIGS if n in res and n.startswith("iree") and n != "iree-plain"):
         if others:
@@ -557,6 +674,9 @@ def main() -> int:
     r = sub.add_parser("run", help="on the GPU machine: regenerate the weights, apply, measure")
     r.add_argument("bundle", type=Path)
     r.add_argument("--work", type=Path, required=True)
+    r.add_argument("--iree-flags", default="", help="IREE runtime flags, space-separated (e.g. --cuda_use_streams=false)")
+    r.add_argument("--label", default=None, help="results as NAME.LABEL (a configuration under other --iree-flags)")
+    r.add_argument("--keep", action="store_true", help="keep the applied IREE folders in --work and reuse them")
     r.add_argument("--configs", default="bandwidth,reference,iree,ort,torch,iree-plain",
                    help="comma list of bandwidth, reference, iree, iree-plain, ort, torch (in this order by default)")
     r.add_argument("--threads", type=int, default=None, help="threads regenerating the weights (default: every core)")
@@ -565,7 +685,7 @@ def main() -> int:
         prepare(args.arch, args.out, args.work or args.out.with_suffix(".work"), args.max_seq, args.reference,
                 layers=args.layers, target=args.target, configs=args.configs.split(",") if args.configs else None)
         return 0
-    return run(args.bundle, args.work, args.configs.split(","), args.threads)
+    return run(args.bundle, args.work, args.configs.split(","), args.threads, args.iree_flags.split(), args.label, args.keep)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,8 @@ def _names(names: list[str], shown: int = 6) -> str:
 @click.option("--dry-run", is_flag=True, help="Run the plugins in memory and print the report; lower and write nothing (--report still writes the JSON).")
 @click.option("--max-seq", type=int, default=None, help="kv: turn a growing (Concat) KV cache into a static one of this many positions (same as --opt kv.max_seq=N).")
 @click.option("--stateful", is_flag=True, help="iree: keep the KV cache in the compiled module (one util.global); the function takes ids and position.")
+@click.option("--next-token", is_flag=True, help="Also output the greedy next token (ArgMax of the last position's logits, int64 [B, 1]): "
+                                                  "'rewrite generate' then keeps a stateful module's decode steps on the device, several in flight.")
 @click.option("--freeze-inputs", is_flag=True, help="Make graph inputs that have an initializer default constants (they leave the interface; plugins may fold them).")
 @click.option("--cuda-sm", default=None, metavar="SM", help="iree --target cuda: the SM to compile for, e.g. sm_90 (default sm_80, whose PTX runs on sm_80 and later).")
 @click.option("--module-from", type=click.Path(file_okay=False, exists=True), default=None, metavar="FOLDER",
@@ -184,8 +186,8 @@ def _names(names: list[str], shown: int = 6) -> str:
                    "and write only the weights here (no IREE compiler needed).")
 @click.option("--quiet", is_flag=True, help="No progress bars and no stage table (for scripts); the report table and errors stay.")
 @click.option("--stages", "stages_path", type=click.Path(dir_okay=False), help="Write each stage's time and memory (load, shapes, each plugin, save, import, compile) as JSON.")
-def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful, freeze_inputs, cuda_sm,
-              module_from, quiet, stages_path) -> None:
+def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful, next_token,
+              freeze_inputs, cuda_sm, module_from, quiet, stages_path) -> None:
     """Rewrite MODEL with --plugins and lower it for --backend into OUT."""
     from rewrite.core.stages import Listener, recording
 
@@ -193,11 +195,11 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
     bars = contextlib.nullcontext(Listener()) if quiet or not sys.stderr.isatty() else _ProgressBars()
     with bars as listener, recording(listener) as rec:
         _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful,
-               freeze_inputs, cuda_sm, module_from, rec, quiet, stages_path)
+               next_token, freeze_inputs, cuda_sm, module_from, rec, quiet, stages_path)
 
 
 def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful,
-           freeze_inputs, cuda_sm, module_from, rec, quiet, stages_path) -> None:
+           next_token, freeze_inputs, cuda_sm, module_from, rec, quiet, stages_path) -> None:
     from rewrite.explain import parse_expect, preview, shortfalls
     from rewrite.pipeline import apply
 
@@ -214,6 +216,8 @@ def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_pat
         if backend != "iree":
             raise click.UsageError("--stateful needs --backend iree")
         options["stateful"] = True
+    if next_token:
+        options["next_token"] = True
     if module_from is not None:
         if backend != "iree":
             raise click.UsageError("--module-from needs --backend iree")
@@ -323,10 +327,13 @@ def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model, low_memory) 
     low_memory = needs_low_memory(folder) if low_memory is None else low_memory
     gen = Generator(folder, low_memory=low_memory)
     t0 = time.perf_counter()
-    res = gen.generate(ids, max_new_tokens)
+    res = gen.generate(ids, max_new_tokens, logits=compare_model is not None)  # --compare checks every call's logits
     dt = time.perf_counter() - t0
     click.echo(",".join(str(t) for t in res.tokens))
-    click.echo(f"{len(res.tokens)} tokens in {dt * 1e3:.1f} ms ({'stateful' if gen.state else 'stateless'} {gen.manifest.backend}/{gen.manifest.target})", err=True)
+    how = "stateful" if gen.state else "stateless"
+    if gen.decodes_on_device and compare_model is None and max_new_tokens > 1:
+        how += ", decode steps on the device"
+    click.echo(f"{len(res.tokens)} tokens in {dt * 1e3:.1f} ms ({how} {gen.manifest.backend}/{gen.manifest.target})", err=True)
     if compare_model is None:
         return
     del gen  # one model in memory at a time: a full-size folder and its reference do not fit together

@@ -13,6 +13,10 @@
 Pasts are paired with presents by what the graph computes (:mod:`rewrite.core.interface`); a hybrid model's
 convolution and recurrent states are fed back whole, starting from zeros.
 
+A stateful IREE folder applied with ``--next-token`` and compiled for one token per call decodes on the device
+(:meth:`Generator.decode`): the greedy token never comes to the host between calls, and calls are queued ahead
+of it (:meth:`rewrite.backends.iree.IreeRunner.greedy_decode`).
+
 Positions are counted here: the prompt is written at 0, each new token at the next position. With a
 static cache of ``S`` positions along the sequence axis (the state's recorded axis, else axis 2: the
 ``[batch, kv_heads, seq, head_dim]`` layout of both exporters), a call that would write past ``S`` raises
@@ -30,7 +34,7 @@ from rewrite.backends import load_runner
 from rewrite.backends.base import Manifest
 from rewrite.core import onnx_io
 from rewrite.core.interface import decoder_interface
-from rewrite.errors import RewriteError
+from rewrite.errors import InputError, RewriteError
 
 SEQ_AXIS = 2  #: sequence axis of a cache tensor when the manifest does not record one
 
@@ -214,8 +218,11 @@ class Generator:
         self.position += n
         return out[iface.logits][:, -n:]
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> GenerateResult:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, logits: bool = True) -> GenerateResult:
         """Reset, prefill ``prompt_ids`` in one call, then decode ``max_new_tokens`` greedily (argmax), one per call.
+
+        ``logits=False``: keep no logits (``GenerateResult.logits`` empty), which lets the decode steps after the
+        prefill run on the device (:meth:`decode`).
 
         Raises:
             GenerationError: an empty prompt, or the request exceeds the cache's positions (checked up front).
@@ -226,14 +233,59 @@ class Generator:
             raise GenerationError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens need {len(prompt_ids) + max_new_tokens - 1} cache positions; the cache has {self.max_seq} (--max-seq)")
         self.reset()
         res = GenerateResult([])
-        ids = np.array([prompt_ids], np.int64)
-        for _ in range(max_new_tokens):
-            logits = self.step(ids)
-            res.logits.append(logits)
-            res.tokens.append(greedy_token(logits[0, -1]))
-            ids = np.array([[res.tokens[-1]]], np.int64)
+        if max_new_tokens <= 0:
+            return res
+        first = self.step(np.array([prompt_ids], np.int64))
+        res.tokens.append(greedy_token(first[0, -1]))
+        if not logits:
+            res.tokens += self.decode(res.tokens[-1], max_new_tokens - 1)
+            return res
+        res.logits.append(first)
+        for _ in range(max_new_tokens - 1):
+            out = self.step(np.array([[res.tokens[-1]]], np.int64))
+            res.logits.append(out)
+            res.tokens.append(greedy_token(out[0, -1]))
         return res
 
+    @property
+    def decodes_on_device(self) -> bool:
+        """Whether :meth:`decode` keeps its steps on the device: a stateful IREE folder applied with
+        ``--next-token`` (:meth:`rewrite.backends.iree.IreeRunner.greedy_decode`)."""
+        return bool(getattr(self.runner, "decodes_on_device", False)) and not self.recompute
+
+    def decode(self, token: int, count: int) -> list[int]:
+        """``count`` greedy decode calls from the current position: the first feeds ``token``, each later one
+        the previous call's argmax; returns the ``count`` new tokens. On a folder that :attr:`decodes_on_device`
+        the tokens stay on the device between calls and several calls are in flight; otherwise each call's logits
+        come back and the argmax is taken here (:func:`greedy_token`). The same tokens either way (ties go to the
+        first index; a logits row with a NaN may differ: ONNX ArgMax and numpy order NaN differently).
+
+        Raises:
+            GenerationError: the calls would write past the cache's positions.
+            InputError: ``token`` is outside the vocabulary.
+            IreeRuntimeError: a call on the device failed; the generator is then reset (its cache holds the rows
+                of the calls that ran, at positions it no longer knows).
+        """
+        if count <= 0:
+            return []
+        if self.max_seq is not None and self.position + count > self.max_seq:
+            raise GenerationError(f"position {self.position} + {count} decode step(s) exceeds the cache's {self.max_seq} "
+                                  "positions (--max-seq); call reset()")
+        if self.decodes_on_device:
+            try:
+                tokens = self.runner.greedy_decode(token, self.position, count)
+            except InputError:  # refused before any call was queued: nothing ran
+                raise
+            except BaseException:
+                self.reset()
+                raise
+            self.position += count
+            return tokens
+        tokens = []
+        for _ in range(count):
+            token = greedy_token(self.step(np.array([[token]], np.int64))[0, -1])
+            tokens.append(token)
+        return tokens
 
     def replay(self, prompt_ids: list[int], tokens: list[int]) -> list[np.ndarray]:
         """Reset, prefill ``prompt_ids``, then feed ``tokens[:-1]`` one per call whatever this model would pick

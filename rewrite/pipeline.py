@@ -21,6 +21,7 @@ from rewrite.core.driver import PluginReport, RewriteContext, run_plugin  # noqa
 from rewrite.core.interface import DecoderInterface, decoder_interface
 from rewrite.core.ir import Graph
 from rewrite.core.lowering import LoweringRegistry
+from rewrite.core.next_token import add_next_token
 from rewrite.core.shapes import infer_shapes
 from rewrite.core.stages import stage
 from rewrite.errors import BackendError, RewriteError, UnsupportedModelError
@@ -64,8 +65,8 @@ def check_output_folder(out_dir: Path, model_path: Path) -> None:
         raise RewriteError(f"{out_dir}: not empty and not an output folder of 'rewrite apply' (no {MANIFEST}); refusing to replace it")
 
 
-#: option keys read by the backends; every other key names a plugin whose options it holds
-BACKEND_OPTIONS = frozenset({"stateful", "param_threshold", "ort_matmul_nbits", "cuda_sm", "module_from"})
+#: option keys read by the pipeline and the backends; every other key names a plugin whose options it holds
+BACKEND_OPTIONS = frozenset({"stateful", "param_threshold", "ort_matmul_nbits", "cuda_sm", "module_from", "next_token"})
 
 
 def check_options(options: dict, plugins: list[Plugin]) -> None:
@@ -177,6 +178,8 @@ def apply(
     check_options(options or {}, selected)
     ctx = RewriteContext(backend=backend, target=target, dims=dict(dims or {}), options=dict(options or {}))
     reports = rewrite_graph(graph, selected, ctx)
+    if ctx.options.get("next_token"):
+        add_next_token(graph)
     used = abstract_ops_in(graph)
     lowerings = lowering_registry() if used else LoweringRegistry()  # (a graph without abstract ops needs none)
     lowerings.check(used, backend, target)  # before anything is written

@@ -30,6 +30,9 @@ from rewrite.core.kernels import DEFAULT_CUDA_ARCH
 from rewrite.core.ir import Graph
 from rewrite.errors import BackendError, InputError
 
+#: decode calls queued ahead of the host by :meth:`IreeRunner.greedy_decode`: enough for the host to prepare the
+#: next call while the device runs the current one, few enough to bound the memory of calls in flight
+DECODE_WINDOW = 4
 DEFAULT_PARAM_THRESHOLD = 4096  #: initializers with at least this many elements go to the .irpa
 #: For --stateful modules. The importer's shape assertions ("Expected dim size > 0" per dynamic dim, torch-mlir)
 #: become host branches that split a decode step into one command buffer, queue submission and transient
@@ -56,6 +59,7 @@ class IreeRunner:
         self.state = manifest.state
         self.where = str(folder)
         self.defaults = _input_defaults(folder / manifest.model, [s.name for s in self.input_specs if s.default])
+        self._positions: dict[int, object] = {}  # position -> its seq_position on the device (greedy_decode)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Raises:
@@ -73,6 +77,71 @@ class IreeRunner:
     def reset(self) -> None:
         """Module state (a stateful KV cache) back to its initial zeros."""
         self.module.reset()
+
+    @property
+    def decodes_on_device(self) -> bool:
+        """Whether :meth:`greedy_decode` can run: a stateful module whose inputs are exactly ``input_ids``, int64
+        ``[1, 1]`` (compiled for one token per call: ``--dim seq_len=1``), and ``seq_position``, with the
+        ``next_token`` output (``rewrite apply --next-token``). A module with a dynamic token count records its
+        command buffer at each call with the call's buffers, which the local-task driver refuses while an
+        earlier call still holds the queue ("transient buffer has not been committed", iree-base-runtime 3.13)."""
+        d = self.decoder
+        if not self.state or d is None or d.next_token is None or d.next_token not in self.output_names:
+            return False
+        specs = {s.name: s for s in self.input_specs}
+        if set(specs) != {d.input_ids, d.seq_position}:
+            return False
+        ids = specs[d.input_ids]
+        return ids.np_dtype == np.int64 and tuple(ids.shape) == (1, 1) and self.module.has_async(self.function)
+
+    def greedy_decode(self, token: int, position: int, count: int, window: int = DECODE_WINDOW) -> list[int]:
+        """``count`` greedy decode steps on the device: the first call takes ``token`` at ``position``, each
+        later call the previous call's ``next_token`` output, which never leaves the device; up to ``window``
+        calls are queued ahead of the host (:meth:`IreeModule.submit`), and each call's token is copied back
+        right behind it and read once ``window`` more calls are queued. Returns the ``count`` new tokens (the
+        last call's included): those of feeding each argmax back from the host (ties go to the first index).
+        When a call fails, the calls queued before it are waited for before the error is raised; the module's
+        state then holds the rows of the calls that ran (reset it).
+
+        Raises:
+            InputError: the module cannot decode this way (:attr:`decodes_on_device` is False), ``token`` is
+                outside ``[0, vocab)``, or the calls would write past the state's positions.
+            IreeRuntimeError: the runtime refused a call, or a call failed on the device.
+        """
+        if not self.decodes_on_device:
+            raise InputError(f"{self.where}: greedy_decode needs a stateful module with a next_token output taking "
+                             "one token per call and seq_position (rewrite apply --stateful --next-token --dim seq_len=1)")
+        vocab = self.decoder.vocab
+        if vocab is not None and not 0 <= token < vocab:
+            raise InputError(f"{self.where}: token {token} is outside the vocabulary [0, {vocab})")
+        st = self.state[0]
+        positions = st["shape"][1 + (st["axis"] if st.get("axis") is not None else 2)]
+        if position < 0 or position + count > positions:  # IREE's slice insert has no bounds check
+            raise InputError(f"{self.where}: {count} decode call(s) from position {position} exceed the state's "
+                             f"{positions} positions")
+        order = [s.name for s in self.input_specs]
+        pos_dtype = next(s.np_dtype for s in self.input_specs if s.name == self.decoder.seq_position)
+        nt = self.output_names.index(self.decoder.next_token)
+        # every input is on the device before the first call is queued (an upload may wait for the queue's
+        # work), each position once per runner
+        for p in range(position, position + count):
+            if p not in self._positions:
+                self._positions[p] = self.module.upload(np.array([p], pos_dtype))
+        ids = self.module.upload(np.array([[token]], np.int64))
+        reads, tokens = [], []
+        try:
+            for k in range(count):
+                feeds = {self.decoder.input_ids: ids, self.decoder.seq_position: self._positions[position + k]}
+                outs, done = self.module.submit([feeds[n] for n in order], function=self.function)
+                ids = outs[nt]
+                reads.append(self.module.read_later(ids, done))
+                if len(reads) > window:
+                    tokens.append(int(reads.pop(0)()[0, 0]))
+            tokens += [int(r()[0, 0]) for r in reads]
+        except BaseException:  # (an interrupt too) no call may still run on the state once this returns
+            self.module.drain()
+            raise
+        return tokens
 
     def read_state(self) -> dict[str, np.ndarray]:
         """Each state global's current value by name (manifest ``state``; empty for a stateless module)."""

@@ -28,7 +28,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -381,6 +381,8 @@ class IreeModule:
         self._modules = modules  # dependencies before the module that imports them
         self._staging: dict[int, object] = {}  # byte size -> host-local buffer results are copied through
         self._copies: list | None = None  # [semaphore, last value] ordering those copies
+        self._timeline: list | None = None  # [semaphore, last value] ordering submit()'s calls
+        self._read_slots: dict[int, list] = {}  # byte size -> free (host buffer, semaphore, value) of read_later
         # `__init` runs once per context; `NAME$async` is the fence-taking twin of `NAME`.
         self.function_names: tuple[str, ...] = tuple(
             n for n in self._main.function_names if not n.startswith("__") and "$" not in n
@@ -389,7 +391,12 @@ class IreeModule:
         self.reset()
 
     def reset(self) -> None:
-        """Discard all module state: the next call sees ``util.global`` values at their initial values."""
+        """Discard all module state: the next call sees ``util.global`` values at their initial values. Calls
+        still queued by :meth:`submit` are waited for first (their errors ignored), and :meth:`submit` starts a
+        new timeline (a semaphore that saw a failed call stays failed)."""
+        self.drain()
+        self._timeline = None
+        self._read_slots = {}
         try:
             self._context = rt.VmContext(self._instance, modules=self._modules)
         except (RuntimeError, ValueError) as e:  # e.g. parameters needed but no params_path given
@@ -483,6 +490,102 @@ class IreeModule:
         out = np.array(host.map().asarray(view.shape, raw), copy=True)
         override = getattr(result, "_override_dtype", None)  # bool results: stored as bytes
         return out.astype(override) if override is not None and override != raw else out
+
+    def upload(self, array: np.ndarray) -> "rt.HalBufferView":
+        """A device copy of ``array`` (its dtype and shape) for :meth:`submit`.
+
+        Raises:
+            IreeRuntimeError: the dtype has no IREE element type, or the device cannot allocate it.
+        """
+        try:
+            return rt.asdevicearray(self._device, np.ascontiguousarray(array))._buffer_view
+        except (RuntimeError, ValueError) as e:
+            raise IreeRuntimeError(f"{self.vmfb_path}: cannot upload a {array.dtype}{list(array.shape)} array: "
+                                   f"{_first_line(e)}") from None
+
+    def submit(self, inputs: list["rt.HalBufferView"], *, function: str | None = None
+               ) -> tuple[list["rt.HalBufferView"], "rt.HalFence"]:
+        """Queue one call of ``function`` through its fence-taking twin (``NAME$async``, IREE's async-external
+        ABI) and return without waiting for it: its results (device buffer views, valid once the returned fence
+        is reached) and that fence. Each call's queue work waits for the previous :meth:`submit`'s, so calls
+        that share module state (a stateful KV cache) run in submission order while the host queues the next.
+
+        Args:
+            inputs: one device buffer view per argument (:meth:`upload`, or an earlier call's result).
+
+        Raises:
+            ValueError: ``function`` is missing and ambiguous, or unknown.
+            IreeRuntimeError: the module has no ``NAME$async`` function, or the runtime rejected the call.
+        """
+        name = self._resolve_function(function)
+        fn = self._main.lookup_function(f"{name}$async")
+        if fn is None:
+            raise IreeRuntimeError(f"{self.vmfb_path}: no {name}$async function (compiled without the async-external ABI)")
+        if self._timeline is None:
+            self._timeline = [self._device.create_semaphore(0), 0]
+        sem, value = self._timeline
+        args = rt.VmVariantList(len(inputs) + 2)
+        for view in inputs:
+            args.push_ref(view)
+        signal = rt.HalFence.create_at(sem, value + 1)
+        args.push_ref(rt.HalFence.create_at(sem, value))
+        args.push_ref(signal)
+        results = rt.VmVariantList(4)
+        try:
+            self._context.invoke(fn, args, results)
+        except (RuntimeError, ValueError) as e:
+            raise IreeRuntimeError(f"{self.vmfb_path}: {name}$async failed: {_first_line(e)}") from None
+        self._timeline[1] = value + 1
+        return [results.get_as_object(i, rt.HalBufferView) for i in range(results.size)], signal
+
+    def has_async(self, function: str | None = None) -> bool:
+        """Whether ``function`` has the fence-taking twin :meth:`submit` calls (``NAME$async``)."""
+        return self._main.lookup_function(f"{self._resolve_function(function)}$async") is not None
+
+    def drain(self) -> None:
+        """Wait until every call queued by :meth:`submit` has finished; a failed call's error is ignored here
+        (it was or will be reported by the read that waits for it)."""
+        if self._timeline is not None:
+            sem, value = self._timeline
+            try:
+                rt.HalFence.create_at(sem, value).wait()
+            except RuntimeError:
+                pass
+
+    def read_later(self, view: "rt.HalBufferView", after: "rt.HalFence") -> Callable[[], np.ndarray]:
+        """Queue a copy of ``view`` (a :meth:`submit` result) into host-local memory once ``after`` is reached and
+        return a function that waits for that copy and returns the array. The copy is queued now, right behind
+        the call that writes ``view``, so reading it does not wait for calls submitted later. Host buffers and
+        their semaphores are reused once read (pinned allocations cost the driver more than the copy)."""
+        size = view.byte_length
+        free = self._read_slots.setdefault(size, [])
+        if free:
+            host, sem, value = free.pop()
+        else:
+            host = self._device.allocator.allocate_buffer(
+                memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+                allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+                allocation_size=size,
+            )
+            sem, value = self._device.create_semaphore(0), 0
+        try:
+            self._device.queue_copy(view.get_buffer(), host, wait_semaphores=after,
+                                    signal_semaphores=rt.HalFence.create_at(sem, value + 1))
+        except RuntimeError as e:
+            raise IreeRuntimeError(f"{self.vmfb_path}: cannot queue a result's copy: {_first_line(e)}") from None
+        dtype = rt.HalElementType.map_to_dtype(view.element_type)
+        shape = list(view.shape)
+
+        def wait() -> np.ndarray:
+            try:
+                rt.HalFence.create_at(sem, value + 1).wait()
+            except RuntimeError as e:  # a queued call that failed on the device is reported here
+                raise IreeRuntimeError(f"{self.vmfb_path}: a queued call failed: {_first_line(e)}") from None
+            out = np.array(host.map().asarray(shape, dtype), copy=True)
+            free.append((host, sem, value + 1))
+            return out
+
+        return wait
 
     @property
     def device(self) -> "rt.HalDevice":

@@ -24,9 +24,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import onnx
 
 from rewrite.core.feeds import TensorSpec, integer_named
 from rewrite.core.ir import Graph
+from rewrite.core.next_token import NEXT_TOKEN
 from rewrite.errors import InputError
 
 #: ops a cache tensor may pass through between input and Concat/Scatter (an fp16 export casts around its Concat)
@@ -83,6 +85,7 @@ class DecoderInterface:
         pairs: the caches and states fed back between calls, in input order.
         logits: the logits output (float ``[B, S, vocab]``).
         vocab: the logits' last dim when static, else None.
+        next_token: the greedy next-token output (int64 ``[B, 1]``, :mod:`rewrite.core.next_token`), or None.
     """
 
     input_ids: str
@@ -92,6 +95,7 @@ class DecoderInterface:
     seq_position: str | None = None
     pairs: list[CachePair] = field(default_factory=list)
     vocab: int | None = None
+    next_token: str | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -233,8 +237,27 @@ def decoder_interface(graph: Graph) -> DecoderInterface | None:
     return DecoderInterface(
         input_ids=ids, logits=logits, position_ids=_first(inputs, _POSITION_NAMES),
         attention_mask=_first(inputs, _MASK_NAMES), seq_position="seq_position" if "seq_position" in inputs else None,
-        pairs=cache_pairs(graph), vocab=vocab,
+        pairs=cache_pairs(graph), vocab=vocab, next_token=_next_token_output(graph, logits),
     )
+
+
+def _next_token_output(graph: Graph, logits: str) -> str | None:
+    """The output :func:`rewrite.core.next_token.add_next_token` made: int64 ``[B, 1]`` from an ArgMax over the
+    last axis without keepdims, of the logits or of a Slice of them; else None."""
+    p = graph.producer.get(NEXT_TOKEN)
+    if NEXT_TOKEN not in graph.outputs or p is None or p[0] not in graph.nodes:
+        return None
+    node, v = graph.nodes[p[0]], graph.values[NEXT_TOKEN]
+    attrs = {k: onnx.helper.get_attribute_value(a) for k, a in node.attrs.items()}
+    if (node.op_type != "ArgMax" or node.domain not in ("", "ai.onnx") or attrs.get("keepdims", 1) != 0
+            or attrs.get("axis", 0) not in (-1, 2) or v.dtype != onnx.TensorProto.INT64
+            or v.shape is None or len(v.shape) != 2 or v.shape[1] != 1):
+        return None
+    src = node.inputs[0]
+    q = graph.producer.get(src)
+    if q is not None and q[0] in graph.nodes and graph.nodes[q[0]].op_type == "Slice":
+        src = graph.nodes[q[0]].inputs[0]
+    return NEXT_TOKEN if src == logits else None
 
 
 def validate_feeds(specs: Sequence[TensorSpec], feeds: Mapping[str, np.ndarray], where: str, *,

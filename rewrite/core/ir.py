@@ -620,6 +620,19 @@ class Graph:
                 self.nodes[c].inputs[port] = new
             self._connect(new, c, port)
 
+    def add_output(self, value: str) -> None:
+        """Append ``value`` to the graph outputs.
+
+        Raises:
+            RewriteError: ``value`` is never produced, or is already a graph output.
+        """
+        if value not in self.producer:
+            raise RewriteError(f"cannot make '{value}' a graph output: it is never produced")
+        if value in self.outputs:
+            raise RewriteError(f"'{value}' is already a graph output")
+        self.outputs.append(value)
+        self._connect(value, SINK, len(self.outputs) - 1)
+
     def add_initializer(self, name: str, array: np.ndarray) -> Value:
         """Add a constant tensor (stored in the model as an initializer; a fresh name if ``name`` is taken).
 

@@ -1,0 +1,200 @@
+"""``--next-token``: the greedy next token as a graph output, and decode steps kept on the device.
+
+The seed form (fp32): a one-token stateful IREE module (llvm-cpu) decoded on the device, several calls in flight,
+gives the tokens of the host's argmax loop on the same folder and of ONNX Runtime on the original model; the ORT
+backend's ``next_token`` equals the logits' argmax; bad graphs are refused with the graph left as it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from rewrite.backends.iree import DECODE_WINDOW
+from rewrite.cli import cli
+from rewrite.core import onnx_io
+from rewrite.core.next_token import NEXT_TOKEN, add_next_token
+from rewrite.errors import InputError, RewriteError
+from rewrite.generate import GenerationError, Generator
+from rewrite.pipeline import apply
+
+PROMPT = [3, 141, 59, 26, 5]
+STEPS = 3 * DECODE_WINDOW + 2  #: more decode calls than the window holds, and not a multiple of it
+PLUGINS = "cast,legalize,topk,expand,kv"
+
+
+@pytest.fixture(scope="module")
+def folders(seed_fp32, tmp_path_factory):
+    """name -> folder: ``t1`` (stateful, one token per call, --next-token), ``dyn`` (stateful, any token count,
+    --next-token), ``ort`` (the original model on ORT, --next-token)."""
+    base = tmp_path_factory.mktemp("next_token")
+    path = seed_fp32[0]
+    opts = {"stateful": True, "next_token": True}
+    apply(path, base / "t1", plugins=PLUGINS, backend="iree", options=opts, dims={"seq_len": 1})
+    apply(path, base / "dyn", plugins=PLUGINS, backend="iree", options=opts)
+    apply(path, base / "ort", backend="ort", options={"next_token": True})
+    return {"t1": base / "t1", "dyn": base / "dyn", "ort": base / "ort", "source": path}
+
+
+def test_the_graph_gets_one_argmax_and_a_slice_only_for_many_tokens(seed_fp32, tmp_path):
+    for dims, slices in (({}, 1), ({"seq_len": 1}, 0)):
+        graph = onnx_io.load(seed_fp32[0])
+        if dims:
+            from rewrite.core.shapes import infer_shapes
+
+            infer_shapes(graph, dims)
+        before = len(graph.nodes)
+        assert add_next_token(graph) == NEXT_TOKEN
+        ops = [n.op_type for n in graph.nodes.values()]
+        assert len(graph.nodes) == before + 1 + slices
+        assert ops.count("ArgMax") == 1 and graph.outputs[-1] == NEXT_TOKEN
+        v = graph.values[NEXT_TOKEN]
+        assert v.dtype == onnx.TensorProto.INT64 and v.shape == (1, 1)
+
+
+def _state(graph):
+    return len(graph.nodes), list(graph.outputs), sorted(graph.values), list(graph.initializers)
+
+
+def test_bad_graphs_are_refused_unchanged(seed_fp32, tmp_path):
+    graph = onnx_io.load(seed_fp32[0])
+    before = _state(graph)
+    with pytest.raises(RewriteError, match="the graph has no 'scores' output"):
+        add_next_token(graph, "scores")
+    assert _state(graph) == before
+    with pytest.raises(RewriteError, match=r"output 'present_key_0' is FLOAT\[1,4,64,64\]; expected float, float16 or "
+                                           r"double logits \[batch, seq, vocab\]"):
+        add_next_token(graph, "present_key_0")
+    assert _state(graph) == before
+    add_next_token(graph)
+    after = _state(graph)
+    with pytest.raises(RewriteError, match="already has a value named 'next_token'"):
+        add_next_token(graph)
+    assert _state(graph) == after and after[0] == before[0] + 2 and after[1] == before[1] + [NEXT_TOKEN]
+    # integer "logits"
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.INT64, [1, 2, 8])
+    y = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.INT64, [1, 2, 8])
+    model = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["logits"])], "g", [x], [y]))
+    onnx.save(model, tmp_path / "int.onnx")
+    graph = onnx_io.load(tmp_path / "int.onnx")
+    before = _state(graph)
+    with pytest.raises(RewriteError, match=r"output 'logits' is INT64\[1,2,8\]"):
+        add_next_token(graph)
+    assert _state(graph) == before
+
+
+def test_only_our_argmax_is_taken_for_the_next_token(tmp_path):
+    """An output named next_token that is not the greedy token of the last position (kept dims, another axis)
+    is not recorded as one: generate would feed it back as input_ids."""
+    from rewrite.core.interface import decoder_interface
+
+    ids = onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, [1, 1])
+    logits = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, 8])
+    table = onnx.numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(8, 8), "table")
+    for attrs, shape, taken in (({"axis": -1, "keepdims": 0}, [1, 1], True), ({"axis": -1, "keepdims": 1}, [1, 1, 1], False),
+                                ({"axis": 1, "keepdims": 0}, [1, 8], False)):
+        nodes = [onnx.helper.make_node("Gather", ["table", "input_ids"], ["logits"]),
+                 onnx.helper.make_node("ArgMax", ["logits"], ["next_token"], **attrs)]
+        out = onnx.helper.make_tensor_value_info("next_token", onnx.TensorProto.INT64, shape)
+        model = onnx.helper.make_model(onnx.helper.make_graph(nodes, "g", [ids], [logits, out], [table]))
+        onnx.save(model, tmp_path / "m.onnx")
+        iface = decoder_interface(onnx_io.load(tmp_path / "m.onnx"))
+        assert (iface.next_token == NEXT_TOKEN) is taken, attrs
+
+
+def test_ort_next_token_is_the_argmax_of_the_last_position(folders):
+    gen = Generator(folders["ort"])
+    assert gen.interface.next_token == NEXT_TOKEN and not gen.decodes_on_device
+    out = gen.runner.run({gen.interface.input_ids: np.array([PROMPT], np.int64),
+                          gen.interface.seq_position: np.array([0], np.int64), **gen.past})
+    assert out[NEXT_TOKEN].shape == (1, 1) and out[NEXT_TOKEN].dtype == np.int64
+    assert int(out[NEXT_TOKEN][0, 0]) == int(np.argmax(out["logits"][0, -1]))
+
+
+def test_device_decode_gives_the_host_loop_and_ort_tokens(folders):
+    ref = Generator.reference(folders["source"]).generate(PROMPT[:1], STEPS).tokens
+    gen = Generator(folders["t1"])
+    assert gen.decodes_on_device and gen.manifest.decoder["next_token"] == NEXT_TOKEN
+    on_device = gen.generate(PROMPT[:1], STEPS, logits=False)
+    assert on_device.logits == [] and on_device.tokens == ref
+    host = gen.generate(PROMPT[:1], STEPS)
+    assert host.tokens == ref and len(host.logits) == STEPS
+    # decode() from a prefilled position, in two pieces: the positions carry over
+    gen.reset()
+    for t in PROMPT:
+        logits = gen.step(np.array([[t]], np.int64))
+    first = int(np.argmax(logits[0, -1]))
+    tokens = gen.decode(first, 5)
+    tokens += gen.decode(tokens[-1], STEPS - 5)
+    assert gen.position == len(PROMPT) + STEPS
+    assert [first] + tokens[:-1] == Generator.reference(folders["source"]).generate(PROMPT, STEPS).tokens
+
+
+def test_a_module_taking_any_token_count_decodes_on_the_host(folders):
+    gen = Generator(folders["dyn"])
+    assert gen.interface.next_token == NEXT_TOKEN and not gen.decodes_on_device
+    assert gen.generate(PROMPT, 6, logits=False).tokens == gen.generate(PROMPT, 6).tokens
+
+
+def test_device_decode_guards(folders):
+    gen = Generator(folders["t1"])
+    gen.step(np.array([[3]], np.int64))
+    with pytest.raises(GenerationError, match=f"position 1 \\+ {gen.max_seq} decode step\\(s\\) exceeds the cache's"):
+        gen.decode(3, gen.max_seq)
+    assert gen.position == 1
+    with pytest.raises(InputError, match="token 512 is outside the vocabulary \\[0, 512\\)"):
+        gen.decode(512, 2)
+    # the runner checks the state's positions itself too
+    with pytest.raises(InputError, match=f"2 decode call\\(s\\) from position {gen.max_seq - 1} exceed the state's {gen.max_seq} positions"):
+        gen.runner.greedy_decode(3, gen.max_seq - 1, 2)
+    # the cache filled exactly: every position written, the last call's token included
+    tokens = gen.decode(3, gen.max_seq - 1)
+    assert len(tokens) == gen.max_seq - 1 and gen.position == gen.max_seq
+    with pytest.raises(GenerationError, match="exceeds the cache's"):
+        gen.decode(tokens[-1], 1)
+
+
+@pytest.mark.parametrize("count", [1, 2, DECODE_WINDOW, DECODE_WINDOW + 1])
+def test_short_device_decodes(folders, count):
+    gen = Generator(folders["t1"])
+    ref = gen.generate(PROMPT[:1], count + 1).tokens
+    gen.reset()
+    first = int(np.argmax(gen.step(np.array([PROMPT[:1]], np.int64))[0, -1]))
+    assert [first] + gen.decode(first, count) == ref
+
+
+def test_a_failed_call_resets_the_generator(folders, monkeypatch):
+    """A call that fails mid-decode: the calls queued before it are waited for, the error is raised, and the
+    generator is reset, so the next generation gives the same tokens as ever."""
+    from rewrite.backends.errors import IreeRuntimeError
+    from rewrite.backends.iree_toolchain import IreeModule
+
+    gen = Generator(folders["t1"])
+    ref = gen.generate(PROMPT[:1], STEPS, logits=False).tokens
+    real, calls = IreeModule.submit, []
+
+    def failing(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == DECODE_WINDOW + 2:
+            raise IreeRuntimeError("injected failure")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(IreeModule, "submit", failing)
+    with pytest.raises(IreeRuntimeError, match="injected failure"):
+        gen.generate(PROMPT[:1], STEPS, logits=False)
+    assert gen.position == 0
+    monkeypatch.setattr(IreeModule, "submit", real)
+    assert gen.generate(PROMPT[:1], STEPS, logits=False).tokens == ref
+
+
+def test_cli(seed_fp32, folders, tmp_path):
+    res = CliRunner().invoke(cli, ["apply", str(seed_fp32[0]), "--next-token", "-o", str(tmp_path / "ort"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert Generator(tmp_path / "ort").interface.next_token == NEXT_TOKEN
+    res = CliRunner().invoke(cli, ["generate", str(folders["t1"]), "--prompt-ids", "3", "--max-new-tokens", str(STEPS)])
+    assert res.exit_code == 0, res.output
+    ref = Generator.reference(folders["source"]).generate([3], STEPS).tokens
+    assert res.output.splitlines()[0] == ",".join(map(str, ref))
+    assert "decode steps on the device" in res.output
