@@ -415,7 +415,7 @@ def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | No
 def _measure_folder(folder: Path, prompt: list[int], reference: dict | None, profile: bool = True) -> dict:
     from rewrite.generate import Generator
 
-    gen = Generator(folder, low_memory=False)
+    gen = Generator(folder, low_memory=False, device_decode=True)  # (on llvm-cpu too: both loops measured)
     return _measure(gen.step, gen.reset, prompt, profile, reference, gen.fixed_width,
                     gen.decode if gen.decodes_on_device else None)
 

@@ -311,7 +311,10 @@ def run_cmd(folder, inputs_path, seed, save_path, low_memory) -> None:
               help="Keep an ort folder's weights memory-mapped (ONNX Runtime prepacking off: memory that does not grow "
                    "with the weights, calls about 10x slower). Default: on when the folder's files exceed 40% of the "
                    "available memory.")
-def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model, low_memory) -> None:
+@click.option("--device-decode/--host-decode", "device_decode", default=None,
+              help="A stateful IREE folder applied with --next-token: keep the decode steps on the device, several queued "
+                   "ahead (default: on for GPU targets), or take each call's argmax on the host.")
+def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model, low_memory, device_decode) -> None:
     """Prefill --prompt-ids and decode greedily through FOLDER (stateful or not); print the new token ids."""
     import gc
     import time
@@ -325,7 +328,7 @@ def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model, low_memory) 
     from rewrite.backends import needs_low_memory
 
     low_memory = needs_low_memory(folder) if low_memory is None else low_memory
-    gen = Generator(folder, low_memory=low_memory)
+    gen = Generator(folder, low_memory=low_memory, device_decode=device_decode)
     t0 = time.perf_counter()
     res = gen.generate(ids, max_new_tokens, logits=compare_model is not None)  # --compare checks every call's logits
     dt = time.perf_counter() - t0

@@ -78,13 +78,14 @@ class GenerateResult:
 
 class Generator:
     """Loads ``folder`` (an output of ``rewrite apply``) and decodes greedily through it (``low_memory``: see
-    :func:`rewrite.backends.load_runner`).
+    :func:`rewrite.backends.load_runner`; ``device_decode``: see :attr:`decodes_on_device`).
 
     Raises:
         GenerationError: the model's inputs are not a decoder interface this module knows (see module docstring).
     """
 
-    def __init__(self, folder: str | Path, *, low_memory: bool | None = None):
+    def __init__(self, folder: str | Path, *, low_memory: bool | None = None, device_decode: bool | None = None):
+        self.device_decode = device_decode
         self.folder = Path(folder)
         manifest = Manifest.read(self.folder)
         specs = manifest.input_specs
@@ -115,7 +116,7 @@ class Generator:
         specs = input_specs(onnx_io.to_model(graph))
         iface = decoder_interface(graph)
         self = cls.__new__(cls)
-        self.folder, self.manifest = None, None
+        self.folder, self.manifest, self.device_decode = None, None, None
         self._setup(str(model_path), OrtRunner(Path(model_path), optimize="basic", decoder=iface,
                                                     config=dict(NO_PREPACKING) if low_memory else None), specs, iface, None)
         return self
@@ -249,9 +250,13 @@ class Generator:
 
     @property
     def decodes_on_device(self) -> bool:
-        """Whether :meth:`decode` keeps its steps on the device: a stateful IREE folder applied with
-        ``--next-token`` (:meth:`rewrite.backends.iree.IreeRunner.greedy_decode`)."""
-        return bool(getattr(self.runner, "decodes_on_device", False)) and not self.recompute
+        """Whether :meth:`decode` keeps its steps on the device: a folder that can (a stateful IREE folder applied
+        with ``--next-token``, :meth:`rewrite.backends.iree.IreeRunner.greedy_decode`) and ``device_decode``
+        (the constructor's) True, or None and a GPU target: on llvm-cpu the "device" is the host's own cores, and
+        queuing calls ahead measured 0.92x the host's loop there (BENCHMARKS.md)."""
+        if not getattr(self.runner, "decodes_on_device", False) or self.recompute:
+            return False
+        return self.device_decode if self.device_decode is not None else self.manifest.target != "llvm-cpu"
 
     def decode(self, token: int, count: int) -> list[int]:
         """``count`` greedy decode calls from the current position: the first feeds ``token``, each later one

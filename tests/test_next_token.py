@@ -115,7 +115,8 @@ def test_ort_next_token_is_the_argmax_of_the_last_position(folders):
 
 def test_device_decode_gives_the_host_loop_and_ort_tokens(folders):
     ref = Generator.reference(folders["source"]).generate(PROMPT[:1], STEPS).tokens
-    gen = Generator(folders["t1"])
+    assert not Generator(folders["t1"]).decodes_on_device  # llvm-cpu: the host's loop unless asked
+    gen = Generator(folders["t1"], device_decode=True)
     assert gen.decodes_on_device and gen.manifest.decoder["next_token"] == NEXT_TOKEN
     on_device = gen.generate(PROMPT[:1], STEPS, logits=False)
     assert on_device.logits == [] and on_device.tokens == ref
@@ -139,7 +140,7 @@ def test_a_module_taking_any_token_count_decodes_on_the_host(folders):
 
 
 def test_device_decode_guards(folders):
-    gen = Generator(folders["t1"])
+    gen = Generator(folders["t1"], device_decode=True)
     gen.step(np.array([[3]], np.int64))
     with pytest.raises(GenerationError, match=f"position 1 \\+ {gen.max_seq} decode step\\(s\\) exceeds the cache's"):
         gen.decode(3, gen.max_seq)
@@ -158,7 +159,7 @@ def test_device_decode_guards(folders):
 
 @pytest.mark.parametrize("count", [1, 2, DECODE_WINDOW, DECODE_WINDOW + 1])
 def test_short_device_decodes(folders, count):
-    gen = Generator(folders["t1"])
+    gen = Generator(folders["t1"], device_decode=True)
     ref = gen.generate(PROMPT[:1], count + 1).tokens
     gen.reset()
     first = int(np.argmax(gen.step(np.array([PROMPT[:1]], np.int64))[0, -1]))
@@ -171,7 +172,7 @@ def test_a_failed_call_resets_the_generator(folders, monkeypatch):
     from rewrite.backends.errors import IreeRuntimeError
     from rewrite.backends.iree_toolchain import IreeModule
 
-    gen = Generator(folders["t1"])
+    gen = Generator(folders["t1"], device_decode=True)
     ref = gen.generate(PROMPT[:1], STEPS, logits=False).tokens
     real, calls = IreeModule.submit, []
 
@@ -193,8 +194,10 @@ def test_cli(seed_fp32, folders, tmp_path):
     res = CliRunner().invoke(cli, ["apply", str(seed_fp32[0]), "--next-token", "-o", str(tmp_path / "ort"), "--quiet"])
     assert res.exit_code == 0, res.output
     assert Generator(tmp_path / "ort").interface.next_token == NEXT_TOKEN
-    res = CliRunner().invoke(cli, ["generate", str(folders["t1"]), "--prompt-ids", "3", "--max-new-tokens", str(STEPS)])
-    assert res.exit_code == 0, res.output
     ref = Generator.reference(folders["source"]).generate([3], STEPS).tokens
-    assert res.output.splitlines()[0] == ",".join(map(str, ref))
-    assert "decode steps on the device" in res.output
+    for flag, on_device in (("--device-decode", True), (None, False), ("--host-decode", False)):
+        res = CliRunner().invoke(cli, ["generate", str(folders["t1"]), "--prompt-ids", "3", "--max-new-tokens", str(STEPS),
+                                       *([flag] if flag else [])])
+        assert res.exit_code == 0, res.output
+        assert res.output.splitlines()[0] == ",".join(map(str, ref))
+        assert ("decode steps on the device" in res.output) is on_device, flag
