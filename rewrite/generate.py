@@ -219,8 +219,19 @@ class Generator:
         self.position += n
         return out[iface.logits][:, -n:]
 
+    def prefill(self, prompt_ids: list[int]) -> np.ndarray:
+        """Run the prompt from the current position: one call, or one call per token for a module compiled for
+        one token per call (``--dim seq_len=1``). Returns the logits of that call, ``[1, n, vocab]`` (``n`` = 1 for
+        the per-token calls: the prompt's last position)."""
+        if self.fixed_width == 1 and len(prompt_ids) > 1:
+            for t in prompt_ids[:-1]:
+                self.step(np.array([[t]], np.int64))
+            return self.step(np.array([prompt_ids[-1:]], np.int64))
+        return self.step(np.array([prompt_ids], np.int64))
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, logits: bool = True) -> GenerateResult:
-        """Reset, prefill ``prompt_ids`` in one call, then decode ``max_new_tokens`` greedily (argmax), one per call.
+        """Reset, prefill ``prompt_ids`` (:meth:`prefill`), then decode ``max_new_tokens`` greedily (argmax), one per
+        call.
 
         ``logits=False``: keep no logits (``GenerateResult.logits`` empty), which lets the decode steps after the
         prefill run on the device (:meth:`decode`).
@@ -236,7 +247,7 @@ class Generator:
         res = GenerateResult([])
         if max_new_tokens <= 0:
             return res
-        first = self.step(np.array([prompt_ids], np.int64))
+        first = self.prefill(prompt_ids)
         res.tokens.append(greedy_token(first[0, -1]))
         if not logits:
             res.tokens += self.decode(res.tokens[-1], max_new_tokens - 1)
@@ -298,12 +309,12 @@ class Generator:
         two models step by step even after their tokens part.
 
         Returns:
-            ``len(tokens)`` logits arrays, ``[1, len(prompt), vocab]`` then ``[1, 1, vocab]`` each.
+            ``len(tokens)`` logits arrays, the prefill's (:meth:`prefill`) then ``[1, 1, vocab]`` each.
         """
         if not tokens:
             return []
         self.reset()
-        out = [self.step(np.array([prompt_ids], np.int64))]
+        out = [self.prefill(prompt_ids)]
         for t in tokens[:-1]:
             out.append(self.step(np.array([[t]], np.int64)))
         return out

@@ -133,6 +133,20 @@ def test_device_decode_gives_the_host_loop_and_ort_tokens(folders):
     assert [first] + tokens[:-1] == Generator.reference(folders["source"]).generate(PROMPT, STEPS).tokens
 
 
+def test_a_one_token_module_prefills_a_prompt_token_by_token(folders):
+    """generate() on a module compiled for one token per call feeds the prompt one call per token: the tokens of
+    ONNX Runtime on the original, both decode loops; replay() gives the prompt's last position first."""
+    ref = Generator.reference(folders["source"])
+    want = ref.generate(PROMPT, 6)
+    gen = Generator(folders["t1"], device_decode=True)
+    assert gen.generate(PROMPT, 6, logits=False).tokens == want.tokens
+    got = gen.generate(PROMPT, 6)
+    assert got.tokens == want.tokens and got.logits[0].shape == (1, 1, 512)
+    np.testing.assert_allclose(got.logits[0][0, -1], want.logits[0][0, -1], rtol=1e-4, atol=1e-4 * np.abs(want.logits[0]).max())
+    replayed = gen.replay(PROMPT, want.tokens)
+    assert len(replayed) == 6 and replayed[0].shape == (1, 1, 512)
+
+
 def test_a_module_taking_any_token_count_decodes_on_the_host(folders):
     gen = Generator(folders["dyn"])
     assert gen.interface.next_token == NEXT_TOKEN and not gen.decodes_on_device
@@ -201,3 +215,12 @@ def test_cli(seed_fp32, folders, tmp_path):
         assert res.exit_code == 0, res.output
         assert res.output.splitlines()[0] == ",".join(map(str, ref))
         assert ("decode steps on the device" in res.output) is on_device, flag
+    # --compare on the one-token folder: a five-token prompt, each call's logits against the reference's
+    res = CliRunner().invoke(cli, ["generate", str(folders["t1"]), "--prompt-ids", ",".join(map(str, PROMPT)),
+                                   "--max-new-tokens", "4", "--compare", str(folders["source"])])
+    assert res.exit_code == 0, res.output
+    assert "compare: PASS" in res.output and "4 of 4 tokens equal" in res.output
+    # --device-decode on a folder that cannot: said, and the host's loop gives the tokens
+    res = CliRunner().invoke(cli, ["generate", str(folders["dyn"]), "--prompt-ids", "3", "--max-new-tokens", "4", "--device-decode"])
+    assert res.exit_code == 0, res.output
+    assert "--device-decode: this folder decodes on the host" in res.output
