@@ -147,6 +147,21 @@ def test_a_one_token_module_prefills_a_prompt_token_by_token(folders):
     assert len(replayed) == 6 and replayed[0].shape == (1, 1, 512)
 
 
+def test_a_transformers_export_decodes_on_the_device(qwen3_moe_tiny, tmp_path):
+    """transformers' export of the tiny Qwen3-MoE (growing cache, attention_mask and position_ids): ``kv`` makes
+    a static cache with the token count fixed to one (``--dim s70=1``), and the stateful module decodes on the
+    device, fed the position ids and the mask of ones there: ONNX Runtime's tokens on the original, 20 steps."""
+    m = apply(qwen3_moe_tiny, tmp_path / "t1", plugins=PLUGINS, backend="iree", dims={"s70": 1},
+              options={"stateful": True, "next_token": True, "kv": {"max_seq": 40}})
+    assert [d["name"] for d in m.inputs] == ["input_ids", "attention_mask", "position_ids", "seq_position"]
+    assert [d["shape"] for d in m.inputs] == [[1, 1], [1, 40], [1, 1], [1]]
+    gen = Generator(tmp_path / "t1", device_decode=True)
+    assert gen.decodes_on_device
+    ref = Generator.reference(qwen3_moe_tiny).generate(PROMPT, 20).tokens
+    assert gen.generate(PROMPT, 20, logits=False).tokens == ref
+    assert gen.generate(PROMPT, 20).tokens == ref
+
+
 def test_a_module_taking_any_token_count_decodes_on_the_host(folders):
     gen = Generator(folders["dyn"])
     assert gen.interface.next_token == NEXT_TOKEN and not gen.decodes_on_device

@@ -59,7 +59,8 @@ class IreeRunner:
         self.state = manifest.state
         self.where = str(folder)
         self.defaults = _input_defaults(folder / manifest.model, [s.name for s in self.input_specs if s.default])
-        self._positions: dict[int, object] = {}  # position -> its seq_position on the device (greedy_decode)
+        self._positions: dict[int, dict] = {}  # position -> its inputs on the device (greedy_decode)
+        self._mask = None  # the attention mask of ones on the device (greedy_decode)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Raises:
@@ -80,19 +81,25 @@ class IreeRunner:
 
     @property
     def decodes_on_device(self) -> bool:
-        """Whether :meth:`greedy_decode` can run: a stateful module whose inputs are exactly ``input_ids``, int64
-        ``[1, 1]`` (compiled for one token per call: ``--dim seq_len=1``), and ``seq_position``, with the
-        ``next_token`` output (``rewrite apply --next-token``). A module with a dynamic token count records its
+        """Whether :meth:`greedy_decode` can run: a stateful module with the ``next_token`` output (``rewrite apply
+        --next-token``) whose inputs are ``input_ids``, int64 ``[1, 1]`` (compiled for one token per call:
+        ``--dim <seq>=1``), ``seq_position``, and optionally ``position_ids`` ``[1, 1]`` and a static
+        ``attention_mask`` ``[1, M]`` (transformers' exports; fed the position and ones, as
+        :meth:`rewrite.generate.Generator.step` feeds them). A module with a dynamic token count records its
         command buffer at each call with the call's buffers, which the local-task driver refuses while an
         earlier call still holds the queue ("transient buffer has not been committed", iree-base-runtime 3.13)."""
         d = self.decoder
         if not self.state or d is None or d.next_token is None or d.next_token not in self.output_names:
             return False
         specs = {s.name: s for s in self.input_specs}
-        if set(specs) != {d.input_ids, d.seq_position}:
+        optional = {d.position_ids, d.attention_mask} - {None}
+        if d.seq_position is None or not {d.input_ids, d.seq_position} <= set(specs) <= {d.input_ids, d.seq_position} | optional:
             return False
-        ids = specs[d.input_ids]
-        return ids.np_dtype == np.int64 and tuple(ids.shape) == (1, 1) and self.module.has_async(self.function)
+        ids, pos_ids, mask = specs[d.input_ids], specs.get(d.position_ids), specs.get(d.attention_mask)
+        return (ids.np_dtype == np.int64 and tuple(ids.shape) == (1, 1)
+                and (pos_ids is None or tuple(pos_ids.shape) == (1, 1))
+                and (mask is None or (len(mask.shape) == 2 and mask.shape[0] == 1 and isinstance(mask.shape[1], int)))
+                and self.module.has_async(self.function))
 
     def greedy_decode(self, token: int, position: int, count: int, window: int = DECODE_WINDOW) -> list[int]:
         """``count`` greedy decode steps on the device: the first call takes ``token`` at ``position``, each
@@ -110,7 +117,7 @@ class IreeRunner:
         """
         if not self.decodes_on_device:
             raise InputError(f"{self.where}: greedy_decode needs a stateful module with a next_token output taking "
-                             "one token per call and seq_position (rewrite apply --stateful --next-token --dim seq_len=1)")
+                             "one token per call (rewrite apply --stateful --next-token --dim <seq>=1)")
         vocab = self.decoder.vocab
         if vocab is not None and not 0 <= token < vocab:
             raise InputError(f"{self.where}: token {token} is outside the vocabulary [0, {vocab})")
@@ -119,20 +126,24 @@ class IreeRunner:
         if position < 0 or position + count > positions:  # IREE's slice insert has no bounds check
             raise InputError(f"{self.where}: {count} decode call(s) from position {position} exceed the state's "
                              f"{positions} positions")
-        order = [s.name for s in self.input_specs]
-        pos_dtype = next(s.np_dtype for s in self.input_specs if s.name == self.decoder.seq_position)
-        nt = self.output_names.index(self.decoder.next_token)
+        d, specs = self.decoder, {s.name: s for s in self.input_specs}
+        nt = self.output_names.index(d.next_token)
         # every input is on the device before the first call is queued (an upload may wait for the queue's
-        # work), each position once per runner
+        # work), each position's once per runner
         for p in range(position, position + count):
             if p not in self._positions:
-                self._positions[p] = self.module.upload(np.array([p], pos_dtype))
+                self._positions[p] = {d.seq_position: self.module.upload(np.array([p], specs[d.seq_position].np_dtype))}
+                if d.position_ids in specs:
+                    self._positions[p][d.position_ids] = self.module.upload(np.array([[p]], specs[d.position_ids].np_dtype))
+        if d.attention_mask in specs and self._mask is None:
+            mask = specs[d.attention_mask]
+            self._mask = self.module.upload(np.ones(mask.shape, mask.np_dtype))
         ids = self.module.upload(np.array([[token]], np.int64))
         reads, tokens = [], []
         try:
             for k in range(count):
-                feeds = {self.decoder.input_ids: ids, self.decoder.seq_position: self._positions[position + k]}
-                outs, done = self.module.submit([feeds[n] for n in order], function=self.function)
+                feeds = {d.input_ids: ids, d.attention_mask: self._mask, **self._positions[position + k]}
+                outs, done = self.module.submit([feeds[s.name] for s in self.input_specs], function=self.function)
                 ids = outs[nt]
                 reads.append(self.module.read_later(ids, done))
                 if len(reads) > window:

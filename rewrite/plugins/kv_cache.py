@@ -155,7 +155,8 @@ def growing_caches(graph: Graph) -> list[Node]:
 def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run: bool = False) -> int:
     """Turn transformers' growing cache into a static cache of ``max_seq`` positions (seed 000, item 10).
 
-    Before: pasts ``[B, H, P, D]``, ``attention_mask [B, P + n]``, presents ``Concat(past, new) [B, H, P + n, D]``.
+    Before: pasts ``[B, H, P, D]``, ``attention_mask [B, P + n]``, presents ``Concat(past, new) [B, H, P + n, D]``;
+    ``n`` symbolic, or 1 (the token count fixed with ``--dim``: a module for one-token calls).
     After: pasts and presents ``[B, H, max_seq, D]``, ``attention_mask [B, max_seq]`` (1 for every slot the
     caller allows; slots not yet written are excluded by the causal mask), a new input ``seq_position`` int64
     ``[1]`` (= P, where the ``n`` new tokens are written) and each present ``KVCacheUpdate(past, new,
@@ -177,8 +178,11 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     pasts = [n.inputs[0] for n in concats]
     p_syms = {graph.values[p].shape[2] for p in pasts}
     n_syms = {graph.values[n.inputs[1]].shape[2] for n in concats}
-    if len(p_syms) != 1 or len(n_syms) != 1 or not all(isinstance(d, str) for d in p_syms | n_syms):
-        raise RewriteError(f"static cache: caches {', '.join(pasts)} do not share one symbolic past length and new length")
+    # the new length may be fixed to one token (``--dim <seq>=1``: a module for decode steps only)
+    if (len(p_syms) != 1 or len(n_syms) != 1 or not all(isinstance(d, str) for d in p_syms)
+            or not all(isinstance(d, str) or d == 1 for d in n_syms)):
+        raise RewriteError(f"static cache: caches {', '.join(pasts)} do not share one symbolic past length and one "
+                           "new length (symbolic, or 1)")
     p_sym, n_sym = p_syms.pop(), n_syms.pop()
     rep.matches += len(concats)
     if dry_run:
@@ -187,7 +191,7 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     if pos in graph.values:
         raise RewriteError(f"static cache: the model already has a value named '{pos}'")
     ev = SymbolicEvaluator(graph)
-    P, N = Sym(name=p_sym), Sym(name=n_sym)
+    P, N = Sym(name=p_sym), (Sym(name=n_sym) if isinstance(n_sym, str) else n_sym)
     graph.add_value(pos, dtype=TensorProto.INT64, shape=(1,))
     graph.producer[pos] = (SOURCE, 0)
     graph.inputs.append(pos)
