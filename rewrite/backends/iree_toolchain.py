@@ -379,10 +379,9 @@ class IreeModule:
                 f"cannot load {self.vmfb_path} (params {self.params_path}, driver {driver}): {_first_line(e)}"
             ) from None
         self._modules = modules  # dependencies before the module that imports them
-        self._staging: dict[int, object] = {}  # byte size -> host-local buffer results are copied through
-        self._copies: list | None = None  # [semaphore, last value] ordering those copies
         self._timeline: list | None = None  # [semaphore, last value] ordering submit()'s calls
         self._read_slots: dict[int, list] = {}  # byte size -> free (host buffer, semaphore, value) of read_later
+        self._async_fns: dict[str, object] = {}  # function name -> its NAME$async (or None)
         # `__init` runs once per context; `NAME$async` is the fence-taking twin of `NAME`.
         self.function_names: tuple[str, ...] = tuple(
             n for n in self._main.function_names if not n.startswith("__") and "$" not in n
@@ -396,7 +395,6 @@ class IreeModule:
         new timeline (a semaphore that saw a failed call stays failed)."""
         self.drain()
         self._timeline = None
-        self._read_slots = {}
         try:
             self._context = rt.VmContext(self._instance, modules=self._modules)
         except (RuntimeError, ValueError) as e:  # e.g. parameters needed but no params_path given
@@ -460,7 +458,7 @@ class IreeModule:
 
     def _to_host(self, result) -> np.ndarray:
         """A host copy of one result. A device-local buffer (CUDA) is copied into a host-local staging buffer
-        kept per byte size for the module's life, then out of it, instead of page-locked host memory allocated
+        kept for the module's life (:meth:`read_later`), then out of it, instead of page-locked host memory allocated
         and freed by the driver in every call (a decode step of Qwen1.5-MoE-A2.7B on an H200 took 9.5 ms with
         that, 8.6 ms without, together with the one-row MatMulInt4 kernels: BENCHMARKS.md). Not
         ``DeviceArray.to_host``, which registers a fresh numpy array with the driver (``import_host_allocation``):
@@ -470,24 +468,8 @@ class IreeModule:
         view = getattr(result, "_buffer_view", None)
         if view is None or result._is_mappable():
             return np.array(result.to_host(), copy=True)  # host-visible (local-task): mapped, then copied
-        source = view.get_buffer()
-        size = source.byte_length()
-        host = self._staging.get(size)
-        if host is None:
-            host = self._staging[size] = self._device.allocator.allocate_buffer(
-                memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
-                allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
-                allocation_size=size,
-            )
-        if self._copies is None:
-            self._copies = [self._device.create_semaphore(0), 0]
-        sem, value = self._copies
-        self._copies[1] = value + 1
-        self._device.queue_copy(source, host, wait_semaphores=rt.HalFence.create_at(sem, value),
-                                signal_semaphores=rt.HalFence.create_at(sem, value + 1))
-        rt.HalFence.create_at(sem, value + 1).wait()
-        raw = rt.HalElementType.map_to_dtype(view.element_type)
-        out = np.array(host.map().asarray(view.shape, raw), copy=True)
+        out = self.read_later(view)()
+        raw = out.dtype
         override = getattr(result, "_override_dtype", None)  # bool results: stored as bytes
         return out.astype(override) if override is not None and override != raw else out
 
@@ -518,7 +500,7 @@ class IreeModule:
             IreeRuntimeError: the module has no ``NAME$async`` function, or the runtime rejected the call.
         """
         name = self._resolve_function(function)
-        fn = self._main.lookup_function(f"{name}$async")
+        fn = self._async_function(name)
         if fn is None:
             raise IreeRuntimeError(f"{self.vmfb_path}: no {name}$async function (compiled without the async-external ABI)")
         if self._timeline is None:
@@ -540,7 +522,12 @@ class IreeModule:
 
     def has_async(self, function: str | None = None) -> bool:
         """Whether ``function`` has the fence-taking twin :meth:`submit` calls (``NAME$async``)."""
-        return self._main.lookup_function(f"{self._resolve_function(function)}$async") is not None
+        return self._async_function(self._resolve_function(function)) is not None
+
+    def _async_function(self, name: str):
+        if name not in self._async_fns:  # looked up once: submit() is on the decode loop's path
+            self._async_fns[name] = self._main.lookup_function(f"{name}$async")
+        return self._async_fns[name]
 
     def drain(self) -> None:
         """Wait until every call queued by :meth:`submit` has finished; a failed call's error is ignored here
@@ -552,12 +539,14 @@ class IreeModule:
             except RuntimeError:
                 pass
 
-    def read_later(self, view: "rt.HalBufferView", after: "rt.HalFence") -> Callable[[], np.ndarray]:
-        """Queue a copy of ``view`` (a :meth:`submit` result) into host-local memory once ``after`` is reached and
-        return a function that waits for that copy and returns the array. The copy is queued now, right behind
-        the call that writes ``view``, so reading it does not wait for calls submitted later. Host buffers and
-        their semaphores are reused once read (pinned allocations cost the driver more than the copy)."""
-        size = view.byte_length
+    def read_later(self, view: "rt.HalBufferView", after: "rt.HalFence | None" = None) -> Callable[[], np.ndarray]:
+        """Queue a copy of ``view`` (a :meth:`submit` result; a finished call's result without ``after``) into
+        host-local memory once ``after`` is reached and return a function that waits for that copy and returns
+        the array (the view's element type). The copy is queued now, right behind the call that writes ``view``,
+        so reading it does not wait for calls submitted later. Host buffers and their semaphores are reused once
+        read (pinned allocations cost the driver more than the copy)."""
+        source = view.get_buffer()
+        size = source.byte_length()
         free = self._read_slots.setdefault(size, [])
         if free:
             host, sem, value = free.pop()
@@ -568,8 +557,10 @@ class IreeModule:
                 allocation_size=size,
             )
             sem, value = self._device.create_semaphore(0), 0
+        if after is None:
+            after = rt.HalFence.create_at(sem, value)  # already reached
         try:
-            self._device.queue_copy(view.get_buffer(), host, wait_semaphores=after,
+            self._device.queue_copy(source, host, wait_semaphores=after,
                                     signal_semaphores=rt.HalFence.create_at(sem, value + 1))
         except RuntimeError as e:
             raise IreeRuntimeError(f"{self.vmfb_path}: cannot queue a result's copy: {_first_line(e)}") from None
