@@ -436,9 +436,7 @@ class FusedMoE(AbstractOp):
             f"(tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%tl}}, {ids_t}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, "
             f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, {', '.join([st] * 10)}) -> tensor<?xf32>{{%tki}}")
         if addend and cuda:  # down's output is the addend, tied in place: the kernel adds to it (flag ADDEND)
-            a = tys[ADDEND]
-            lines.append(f"    %ad_s = tensor.collapse_shape %in{ADDEND} [[0, 1]] : {a.builtin} into tensor<{'?' if a.dims[0] is None else a.dims[0] * H}x{el}>")
-            lines.append(f"    %ad = tensor.cast %ad_s : tensor<{'?' if a.dims[0] is None else a.dims[0] * H}x{el}> to tensor<?x{el}>")
+            lines += _flat_addend(tys[ADDEND], H, el)
             down_out, down_arg = "%ad{%th}", ", %ad"
             down_type = f", tensor<?x{el}>{{%th}}"
         else:
@@ -476,9 +474,7 @@ class FusedMoE(AbstractOp):
                     f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, "
                     f"tensor<{S['z2']}xi8>, tensor<{S['b2']}x{el}>, {shared_types}")
         if addend:
-            lines.append(f"    %ad_s = tensor.collapse_shape %in{ADDEND} [[0, 1]] : {op.operand_types[ADDEND].builtin} into "
-                         f"tensor<{_flat(op.operand_types[ADDEND], H)}x{el}>")
-            lines.append(f"    %ad = tensor.cast %ad_s : tensor<{_flat(op.operand_types[ADDEND], H)}x{el}> to tensor<?x{el}>")
+            lines += _flat_addend(op.operand_types[ADDEND], H, el)
             ins += ", %ad"
             in_types += f", tensor<?x{el}>{{%th}}"
             out = "%ad{%th}"
@@ -531,6 +527,13 @@ def _cpu_tail(tys: list, H: int, el: str, addend: bool, shared: bool) -> str:
 def _flat(t, H: int) -> str:
     """The flattened length of a [T, H] operand's type: ``?`` when T is dynamic."""
     return "?" if t.dims[0] is None else str(t.dims[0] * H)
+
+
+def _flat_addend(t, H: int, el: str) -> list[str]:
+    """MLIR lines making ``%ad`` (``tensor<?xEL>``): the [T, H] addend operand flattened, for the down kernel
+    that adds its sum to it in place."""
+    return [f"    %ad_s = tensor.collapse_shape %in{ADDEND} [[0, 1]] : {t.builtin} into tensor<{_flat(t, H)}x{el}>",
+            f"    %ad = tensor.cast %ad_s : tensor<{_flat(t, H)}x{el}> to tensor<?x{el}>"]
 
 
 def _f32_bits(v: float) -> int:
