@@ -18,7 +18,8 @@ plugins there (IREE: ``--module-from`` the bundle's compiled folder, which check
 same and writes only the ``.irpa``), loads the folder and measures:
 
 * prefill: one call on a ``PROMPT_LEN``-token prompt (seeded random ids; one call per token for a module compiled
-  for one token per call), after the token check below has warmed the runtime up;
+  for one token per call, queued on the device several at a time for a folder that decodes there,
+  ``Generator.prefill_token``), after the token check below has warmed the runtime up;
 * decode: the ``DECODE_STEPS - 1`` greedy one-token calls after the prefill, each with its logits read back to the
   host and an argmax there, as ``rewrite generate`` does; tok/s over those calls;
 * tokens: ``CHECK_TOKENS`` greedy tokens after the prompt's first ``CHECK_PROMPT`` tokens, against ONNX Runtime CPU
@@ -206,14 +207,19 @@ def _prefill(step, prompt: list[int], width: int | None) -> np.ndarray:
     return step(np.array([prompt], np.int64))
 
 
-def _timed_generate(step, prompt: list[int], steps: int, width: int | None = None, decode=None) -> dict:
+def _timed_generate(step, prompt: list[int], steps: int, width: int | None = None, decode=None,
+                    prefill_token=None) -> dict:
     """Prefill ``prompt`` (:func:`_prefill`), then ``steps`` greedy one-token calls; ``step(ids [1, n]) ->
     logits [1, n, vocab]`` (host). Returns tokens, the last position's logits of each step and wall times.
     ``decode(token, count) -> tokens``: the decode calls made that way instead (``Generator.decode`` on the
-    device: no logits come back, ``logits`` holds the prefill's only)."""
+    device: no logits come back, ``logits`` holds the prefill's only); ``prefill_token(prompt) -> token``: the
+    prefill made that way (``Generator.prefill_token``: the prompt's calls queued on the device; no logits)."""
     t0 = time.perf_counter()
-    logits = _prefill(step, prompt, width)
-    tokens, last = [greedy_token(logits[0, -1])], [logits[0, -1]]
+    if prefill_token is not None:
+        tokens, last = [prefill_token(prompt)], []
+    else:
+        logits = _prefill(step, prompt, width)
+        tokens, last = [greedy_token(logits[0, -1])], [logits[0, -1]]
     t1 = time.perf_counter()
     if decode is not None:
         tokens += decode(tokens[-1], steps - 1)
@@ -224,7 +230,7 @@ def _timed_generate(step, prompt: list[int], steps: int, width: int | None = Non
             last.append(logits[0, -1])  # converted after the timing: a 152k-entry f16 -> f32 copy costs ~0.3 ms
     t2 = time.perf_counter()
     last = [row.astype(np.float32) for row in last]
-    return {"tokens": tokens, "logits": np.stack(last), "prefill_s": t1 - t0, "decode_s": t2 - t1,
+    return {"tokens": tokens, "logits": np.stack(last) if last else None, "prefill_s": t1 - t0, "decode_s": t2 - t1,
             "prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": (steps - 1) / (t2 - t1)}
 
 
@@ -372,7 +378,7 @@ def timeline(prof, steps: int, wall_s: float) -> dict:
 
 
 def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | None, width: int | None = None,
-             decode=None) -> dict:
+             decode=None, prefill_token=None) -> dict:
     """The token check (``CHECK_TOKENS`` after ``prompt[:CHECK_PROMPT]``; also the warm-up: first calls load
     kernels and allocate), the teacher-forced logits check against ``reference`` (:func:`compare_logits`), the
     timed generation on ``prompt``, then the kernel profile; ``reset()`` before each.
@@ -392,9 +398,9 @@ def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | No
         host = res
         try:
             reset()
-            check_device = _timed_generate(step, prompt[:CHECK_PROMPT], CHECK_TOKENS, width, decode)
+            check_device = _timed_generate(step, prompt[:CHECK_PROMPT], CHECK_TOKENS, width, decode, prefill_token)
             reset()
-            device = _timed_generate(step, prompt, DECODE_STEPS, width, decode)
+            device = _timed_generate(step, prompt, DECODE_STEPS, width, decode, prefill_token)
         except Exception as e:  # the host loop's numbers stand; the error is the device loop's result
             print(f"  decode on the device failed: {type(e).__name__}: {e}", flush=True)
             res["device_loop_error"] = f"{type(e).__name__}: {e}"
@@ -404,6 +410,7 @@ def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | No
             res = device
             del res["logits"]
             res["host_loop_decode_tok_s"] = host["decode_tok_s"]
+            res["host_loop_prefill_tok_s"] = host["prefill_tok_s"]
             res["host_loop_tokens_equal"] = host["tokens"] == res["tokens"] and check["tokens"] == check_device["tokens"]
             check = check_device
     res["check_tokens"], res["check_logits"] = check["tokens"], compared
@@ -417,7 +424,8 @@ def _measure_folder(folder: Path, prompt: list[int], reference: dict | None, pro
 
     gen = Generator(folder, low_memory=False, device_decode=True)  # (on llvm-cpu too: both loops measured)
     return _measure(gen.step, gen.reset, prompt, profile, reference, gen.fixed_width,
-                    gen.decode if gen.decodes_on_device else None)
+                    gen.decode if gen.decodes_on_device else None,
+                    gen.prefill_token if gen.decodes_on_device else None)
 
 
 def _measure_ort(folder: Path, prompt: list[int], reference: dict | None, device: str = "cuda") -> dict:
@@ -649,7 +657,8 @@ def report(work: Path, cfg) -> int:
         if "host_loop_decode_tok_s" in r:
             print(f"decode {name}: {r['decode_tok_s']:.1f} tok/s on the device, {r['host_loop_decode_tok_s']:.1f} with the "
                   f"host's argmax per step on the same folder ({r['decode_tok_s'] / r['host_loop_decode_tok_s']:.2f}x); "
-                  f"tokens {'equal' if r['host_loop_tokens_equal'] else 'DIFFER'}")
+                  f"tokens {'equal' if r['host_loop_tokens_equal'] else 'DIFFER'}; prefill {r['prefill_tok_s']:.1f} "
+                  f"tok/s queued on the device, {r.get('host_loop_prefill_tok_s', float('nan')):.1f} call by call")
     others = [n for n in ("iree-plain", "ort", "torch") if n in res]
     for name in (n for n in CONFIGS if n in res and n.startswith("iree") and n != "iree-plain"):
         if others:

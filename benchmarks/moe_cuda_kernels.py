@@ -12,6 +12,9 @@ with the same launch interface), macros passed to nvcc, and the grid (``gate``: 
 CUDA_GATE_ITEMS, ``down``: CUDA_DOWN_ROWS); all variants run side by side on the same weights, so their times
 compare directly. The kernels are launched as IREE launches them (rewrite/plugins/moe/lowering.py
 ``lower_iree_cuda``): the bindings' pointers, then the 10 push constants as 32-bit integers, on the same grid.
+``--mode routed`` (the default)
+gives the kernels the experts and weights, as the ``topk`` router does in the seeds' models; ``logits`` lets them
+route from the router logits.
 Where the source has ``moe_fused_f16`` (the one-launch kernel) its row ``NAME/1`` follows: one launch per layer on
 the 1-D grid of both halves' workgroups, checked against the reference before and after it is timed (its
 counters must be back at zero after every launch).
@@ -37,7 +40,7 @@ BLOCK = 128
 LAYERS = 24  # weight sets: down alone reads 24 x 6 MB per cycle, several times the 60 MB L2
 ITERS = 64
 REPS = 20
-F16, INT4, ZERO_POINTS = 1, 2, 16  # the kernels' flags (moe_cuda.cu)
+F16, INT4, ZERO_POINTS, ROUTED = 1, 2, 16, 32  # the kernels' flags (moe_cuda.cu)
 
 
 def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
@@ -100,13 +103,16 @@ def main() -> int:
     ap.add_argument("--once", action="store_true", help="one launch of each kernel per shape, no timing")
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--reps", type=int, default=REPS)
+    ap.add_argument("--mode", choices=("routed", "logits"), default="routed",
+                    help="routed: the experts and weights given (the topk router's, as in the seeds' models); "
+                         "logits: the kernels route from the router logits themselves")
     args = ap.parse_args()
     shipped = ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu"
     variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS) for v in args.variant] or \
         [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS)]
     for v in variants:
-        mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",
-                           options=("-O3", *(f"-D{d}" for d in v["defines"])))
+        mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",  # (quoted includes: its folder, -I)
+                           options=("-O3", f"-I{v['source'].resolve().parent}", *(f"-D{d}" for d in v["defines"])))
         v["kernels"] = mod.get_function("moe_gate_up_f16"), mod.get_function("moe_down_f16")
         try:  # the one-launch kernel, in sources that have it
             v["fused"] = mod.get_function("moe_fused_f16")
@@ -137,16 +143,28 @@ def main() -> int:
         for t in (int(v) for v in args.tokens.split(",")):
             x = rng.standard_normal((t, h)).astype(np.float16)
             logits = (rng.standard_normal((t, e)) * 3).astype(np.float16)
-            dx, dl = cp.asarray(x), cp.asarray(logits)
             dummy_ids, dummy_b = cp.zeros(1, cp.int64), cp.zeros(1, cp.float16)
+            lf = logits.astype(np.float32)
+            top = np.argsort(-lf, axis=-1, kind="stable")[:, :k]
+            p = np.exp(lf - lf.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            routed_w = np.take_along_axis(p, top, -1).astype(np.float16)  # softmax then top-k, not normalized
+            dx = cp.asarray(x)
+            dl, given = (cp.asarray(routed_w), cp.asarray(top.astype(np.int64))) if args.mode == "routed" else \
+                (cp.asarray(logits), dummy_ids)
             # the act rows, then the routing gate_up leaves for down (2 * T * k floats)
             act, out = cp.zeros(t * k * (i + 2), cp.float32), cp.zeros((t, h), cp.float16)
-            flags = F16 | INT4 | ZERO_POINTS
+            flags = F16 | INT4 | ZERO_POINTS | (ROUTED if args.mode == "routed" else 0)
             consts = [np.int32(c) for c in (t, h, i, e, k, BLOCK, flags, np.float32(1.0).view(np.int32), 0, 0)]
             w0 = layers[0][0]
-            want = FusedMoE().reference(dict(k=k, normalize=0, mode="softmax_topk", activation="swiglu", block_size=BLOCK),
-                                        x, logits, w0["fc1"], w0["fc2"], w0["s1"], w0["z1"], w0["s2"], w0["z2"])[0]
-            distinct = len(np.unique(np.argsort(-logits.astype(np.float32), axis=-1)[:, :k]))
+            attrs = dict(k=k, normalize=0, activation="swiglu", block_size=BLOCK)
+            if args.mode == "routed":
+                want = FusedMoE().reference(dict(attrs, mode="routed"), x, routed_w, w0["fc1"], w0["fc2"], w0["s1"],
+                                            w0["z1"], w0["s2"], w0["z2"], top)[0]
+            else:
+                want = FusedMoE().reference(dict(attrs, mode="softmax_topk"), x, logits, w0["fc1"], w0["fc2"], w0["s1"],
+                                            w0["z1"], w0["s2"], w0["z2"])[0]
+            distinct = len(np.unique(top))
             nbytes = {kn: distinct * per_expert[kn] for kn in per_expert}
             if not args.once:  # a device-to-device copy of the layer's bytes (read + write), the same way timed
                 half = (nbytes["gate_up"] + nbytes["down"]) // 2
@@ -168,9 +186,9 @@ def main() -> int:
                 def launch(kernel, layer, gate_up=gate_up, down=down, grid1=grid1, grid2=grid2, shared=shared):
                     d = layers[layer][1]
                     if kernel == "gate_up":
-                        gate_up(grid1, (CUDA_THREADS,), (dx, dl, dummy_ids, d["fc1"], d["s1"], d["z1"], dummy_b, act, *consts))
+                        gate_up(grid1, (CUDA_THREADS,), (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, act, *consts))
                     else:
-                        down(grid2, (CUDA_THREADS,), (dl, dummy_ids, act, d["fc2"], d["s2"], d["z2"], dummy_b, *shared, out,
+                        down(grid2, (CUDA_THREADS,), (dl, given, act, d["fc2"], d["s2"], d["z2"], dummy_b, *shared, out,
                                                       *consts))
 
                 out[...] = 0
@@ -197,7 +215,7 @@ def main() -> int:
                 def one(layer, fused=v["fused"], g1=grid1[1], g2=grid2[1]):  # moe_fused: the lowering's 1-D grid
                     d = layers[layer][1]
                     fused((t * (g1 + g2),), (CUDA_THREADS,),
-                          (dx, dl, dummy_ids, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
+                          (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
                            dummy_b, dummy_b, out, act, *consts, np.int32(g1), np.int32(g2), np.int32(0)))
 
                 checks = []

@@ -229,15 +229,45 @@ class Generator:
             return self.step(np.array([prompt_ids[-1:]], np.int64))
         return self.step(np.array([prompt_ids], np.int64))
 
+    def prefill_token(self, prompt_ids: list[int]) -> int:
+        """Run the prompt from the current position and return the greedy next token (the argmax of its last
+        position's logits). On a folder that :attr:`decodes_on_device` the prompt's one-token calls are queued on
+        the device several at a time and only the last call's ``next_token`` comes back
+        (:meth:`rewrite.backends.iree.IreeRunner.greedy_decode`); otherwise :meth:`prefill`.
+
+        Raises:
+            GenerationError: an empty prompt, or the prompt exceeds the cache's positions.
+            InputError: a token is outside the vocabulary.
+            IreeRuntimeError: a call on the device failed; the generator is then reset.
+        """
+        if not prompt_ids:
+            raise GenerationError("empty prompt: give at least one token id")
+        if not self.decodes_on_device:
+            return greedy_token(self.prefill(prompt_ids)[0, -1])
+        if self.max_seq is not None and self.position + len(prompt_ids) > self.max_seq:
+            raise GenerationError(f"position {self.position} + {len(prompt_ids)} token(s) exceeds the cache's "
+                                  f"{self.max_seq} positions (--max-seq); call reset()")
+        try:
+            [token] = self.runner.greedy_decode(list(prompt_ids), self.position, 1)
+        except InputError:  # refused before any call was queued: nothing ran
+            raise
+        except BaseException:
+            self.reset()
+            raise
+        self.position += len(prompt_ids)
+        return token
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, logits: bool = True) -> GenerateResult:
         """Reset, prefill ``prompt_ids`` (:meth:`prefill`), then decode ``max_new_tokens`` greedily (argmax), one per
         call.
 
-        ``logits=False``: keep no logits (``GenerateResult.logits`` empty), which lets the decode steps after the
-        prefill run on the device (:meth:`decode`).
+        ``logits=False``: keep no logits (``GenerateResult.logits`` empty), which lets the prompt's calls and the
+        decode steps run on the device (:meth:`prefill_token` instead of :meth:`prefill`, then :meth:`decode`).
 
         Raises:
             GenerationError: an empty prompt, or the request exceeds the cache's positions (checked up front).
+            InputError: a token is outside the vocabulary (``logits=False`` on the device).
+            IreeRuntimeError: a call on the device failed (``logits=False``); the generator is then reset.
         """
         if not prompt_ids:
             raise GenerationError("empty prompt: give at least one token id")
@@ -247,11 +277,12 @@ class Generator:
         res = GenerateResult([])
         if max_new_tokens <= 0:
             return res
-        first = self.prefill(prompt_ids)
-        res.tokens.append(greedy_token(first[0, -1]))
         if not logits:
+            res.tokens.append(self.prefill_token(prompt_ids))
             res.tokens += self.decode(res.tokens[-1], max_new_tokens - 1)
             return res
+        first = self.prefill(prompt_ids)
+        res.tokens.append(greedy_token(first[0, -1]))
         res.logits.append(first)
         for _ in range(max_new_tokens - 1):
             out = self.step(np.array([[res.tokens[-1]]], np.int64))

@@ -133,6 +133,31 @@ def test_device_decode_gives_the_host_loop_and_ort_tokens(folders):
     assert [first] + tokens[:-1] == Generator.reference(folders["source"]).generate(PROMPT, STEPS).tokens
 
 
+def test_a_prompt_is_queued_on_the_device(folders):
+    """prefill_token on the device: a prompt longer than the window, one queued call per token, only the last
+    call's token read: the token of the host's prefill, the position advanced by the prompt; greedy_decode with
+    a prompt and more steps continues as decode() does."""
+    prompt = PROMPT + PROMPT[::-1] + [7]
+    gen = Generator(folders["t1"], device_decode=True)
+    want = gen.generate(prompt, 4).tokens
+    gen.reset()
+    assert gen.prefill_token(prompt) == want[0] and gen.position == len(prompt)
+    assert gen.decode(want[0], 3) == want[1:]
+    gen.reset()
+    assert gen.runner.greedy_decode(prompt, 0, 4) == want
+    with pytest.raises(InputError, match="at least one token and count >= 1"):
+        gen.runner.greedy_decode([], 0, 1)
+    with pytest.raises(InputError, match="token 9999 is outside"):
+        gen.runner.greedy_decode([1, 9999], 0, 1)
+    for bad in (True, "12", [1.5], np.array(3)):
+        with pytest.raises(InputError, match="token ids"):
+            gen.runner.greedy_decode(bad, 0, 1)
+    with pytest.raises(InputError, match="count >= 1"):
+        gen.runner.greedy_decode(prompt, 0, 0)
+    with pytest.raises(GenerationError, match="empty prompt"):
+        gen.prefill_token([])
+
+
 def test_a_one_token_module_prefills_a_prompt_token_by_token(folders):
     """generate() on a module compiled for one token per call feeds the prompt one call per token: the tokens of
     ONNX Runtime on the original, both decode loops; replay() gives the prompt's last position first."""
@@ -177,7 +202,7 @@ def test_device_decode_guards(folders):
     with pytest.raises(InputError, match="token 512 is outside the vocabulary \\[0, 512\\)"):
         gen.decode(512, 2)
     # the runner checks the state's positions itself too
-    with pytest.raises(InputError, match=f"2 decode call\\(s\\) from position {gen.max_seq - 1} exceed the state's {gen.max_seq} positions"):
+    with pytest.raises(InputError, match=f"2 call\\(s\\) from position {gen.max_seq - 1} exceed the state's {gen.max_seq} positions"):
         gen.runner.greedy_decode(3, gen.max_seq - 1, 2)
     # the cache filled exactly: every position written, the last call's token included
     tokens = gen.decode(3, gen.max_seq - 1)
@@ -217,6 +242,16 @@ def test_a_failed_call_resets_the_generator(folders, monkeypatch):
     assert gen.position == 0
     monkeypatch.setattr(IreeModule, "submit", real)
     assert gen.generate(PROMPT[:1], STEPS, logits=False).tokens == ref
+    # the same mid-prompt: a prompt longer than the window, failing at its sixth call
+    prompt = PROMPT + PROMPT[::-1]
+    want = gen.generate(prompt, 3, logits=False).tokens
+    calls.clear()
+    monkeypatch.setattr(IreeModule, "submit", failing)
+    with pytest.raises(IreeRuntimeError, match="injected failure"):
+        gen.generate(prompt, 3, logits=False)
+    assert gen.position == 0 and len(calls) == DECODE_WINDOW + 2
+    monkeypatch.setattr(IreeModule, "submit", real)
+    assert gen.generate(prompt, 3, logits=False).tokens == want
 
 
 def test_cli(seed_fp32, folders, tmp_path):

@@ -12,6 +12,7 @@ from the same rewritten graph, :mod:`rewrite.backends.iree_prebuilt`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from rewrite.backends.base import Manifest, check_feeds
+from rewrite.backends.errors import IreeRuntimeError
 from rewrite.backends.iree_prebuilt import graph_digest, host_cpu, reuse_module, write_params_index
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io, spill
@@ -101,36 +103,50 @@ class IreeRunner:
                 and (mask is None or (len(mask.shape) == 2 and mask.shape[0] == 1 and isinstance(mask.shape[1], int)))
                 and self.module.has_async(self.function))
 
-    def greedy_decode(self, token: int, position: int, count: int, window: int = DECODE_WINDOW) -> list[int]:
-        """``count`` greedy decode steps on the device: the first call takes ``token`` at ``position``, each
-        later call the previous call's ``next_token`` output, which never leaves the device; up to ``window``
-        calls are queued ahead of the host (:meth:`IreeModule.submit`), and each call's token is copied back
-        right behind it and read once ``window`` more calls are queued. Returns the ``count`` new tokens (the
-        last call's included): those of feeding each argmax back from the host (ties go to the first index).
-        When a call fails, the calls queued before it are waited for before the error is raised; the module's
-        state then holds the rows of the calls that ran (reset it).
+    def greedy_decode(self, tokens: int | Sequence[int], position: int, count: int, window: int = DECODE_WINDOW
+                      ) -> list[int]:
+        """Calls on the device from ``position``: one per token of ``tokens`` (an int: one token), fed those tokens
+        (a prompt, one token per call), then ``count - 1`` greedy decode calls, each fed the previous call's
+        ``next_token`` output, which never leaves the device. Calls are queued ahead of the host
+        (:meth:`IreeModule.submit`), the host waiting for the oldest once ``window`` more are queued; the
+        ``next_token`` of the last given token's call and of each decode call is copied back right behind its call
+        and read then. Returns those ``count``
+        tokens: the ones of feeding each argmax back from the host (ties go to the first index). When a call
+        fails, the calls queued before it are waited for before the error is raised; the module's state then
+        holds the rows of the calls that ran (reset it).
 
         Raises:
-            InputError: the module cannot decode this way (:attr:`decodes_on_device` is False), ``token`` is
-                outside ``[0, vocab)``, or the calls would write past the state's positions.
+            InputError: the module cannot decode this way (:attr:`decodes_on_device` is False), ``tokens`` is
+                not an int or a sequence of ints, no token is given or ``count`` < 1, a token is outside
+                ``[0, vocab)``, or the calls would write past the state's positions.
             IreeRuntimeError: the runtime refused a call, or a call failed on the device.
         """
         if not self.decodes_on_device:
             raise InputError(f"{self.where}: greedy_decode needs a stateful module with a next_token output taking "
                              "one token per call (rewrite apply --stateful --next-token --dim <seq>=1)")
+        single = isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool)
+        if not single and (isinstance(tokens, (str, bytes, np.ndarray)) or not isinstance(tokens, Sequence) or not all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens)):
+            raise InputError(f"{self.where}: greedy_decode takes token ids: an int or a sequence of ints, not {tokens!r}")
+        given = [int(tokens)] if single else [int(t) for t in tokens]
+        if not given or count < 1:
+            raise InputError(f"{self.where}: greedy_decode needs at least one token and count >= 1 "
+                             f"({len(given)} token(s), count {count})")
         vocab = self.decoder.vocab
-        if vocab is not None and not 0 <= token < vocab:
-            raise InputError(f"{self.where}: token {token} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in given if vocab is not None and not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InputError(f"{self.where}: token {bad} is outside the vocabulary [0, {vocab})")
+        calls = len(given) + count - 1
         st = self.state[0]
         positions = st["shape"][1 + (st["axis"] if st.get("axis") is not None else 2)]
-        if position < 0 or position + count > positions:  # IREE's slice insert has no bounds check
-            raise InputError(f"{self.where}: {count} decode call(s) from position {position} exceed the state's "
+        if position < 0 or position + calls > positions:  # IREE's slice insert has no bounds check
+            raise InputError(f"{self.where}: {calls} call(s) from position {position} exceed the state's "
                              f"{positions} positions")
         d, specs = self.decoder, {s.name: s for s in self.input_specs}
         nt = self.output_names.index(d.next_token)
         # every input is on the device before the first call is queued (an upload may wait for the queue's
         # work), each position's once per runner
-        for p in range(position, position + count):
+        for p in range(position, position + calls):
             if p not in self._positions:
                 self._positions[p] = {d.seq_position: self.module.upload(np.array([p], specs[d.seq_position].np_dtype))}
                 if d.position_ids in specs:
@@ -138,21 +154,40 @@ class IreeRunner:
         if d.attention_mask in specs and self._mask is None:
             mask = specs[d.attention_mask]
             self._mask = self.module.upload(np.ones(mask.shape, mask.np_dtype))
-        ids = self.module.upload(np.array([[token]], np.int64))
-        reads, tokens = [], []
+        fed = [self.module.upload(np.array([[t]], np.int64)) for t in given]
+        pending, out = [], []  # pending: (fence, read or None) of each queued call, oldest first
         try:
-            for k in range(count):
+            for k in range(calls):
+                ids = fed[k] if k < len(given) else ids
                 feeds = {d.input_ids: ids, d.attention_mask: self._mask, **self._positions[position + k]}
                 outs, done = self.module.submit([feeds[s.name] for s in self.input_specs], function=self.function)
                 ids = outs[nt]
-                reads.append(self.module.read_later(ids, done))
-                if len(reads) > window:
-                    tokens.append(int(reads.pop(0)()[0, 0]))
-            tokens += [int(r()[0, 0]) for r in reads]
+                pending.append((done, self.module.read_later(ids, done) if k >= len(given) - 1 else None))
+                if len(pending) > window:
+                    self._finish(pending.pop(0), out)
+            for call in pending:
+                self._finish(call, out)
         except BaseException:  # (an interrupt too) no call may still run on the state once this returns
             self.module.drain()
             raise
-        return tokens
+        return out
+
+    def _finish(self, call: tuple, out: list[int]) -> None:
+        """Wait for a queued call of :meth:`greedy_decode` (its fence, and the reader of its token or None): append
+        its token to ``out``, or, a prompt call whose token is not wanted, wait for its fence.
+
+        Raises:
+            IreeRuntimeError: the call, or one queued before it, failed on the device.
+        """
+        done, read = call
+        if read is not None:
+            out.append(int(read()[0, 0]))
+            return
+        try:
+            done.wait()
+        except RuntimeError as e:
+            first = next(iter(str(e).splitlines()), "") or type(e).__name__
+            raise IreeRuntimeError(f"{self.module.vmfb_path}: a queued call failed: {first}") from None
 
     def read_state(self) -> dict[str, np.ndarray]:
         """Each state global's current value by name (manifest ``state``; empty for a stateless module)."""
