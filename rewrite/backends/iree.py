@@ -110,10 +110,9 @@ class IreeRunner:
         ``next_token`` output, which never leaves the device. Calls are queued ahead of the host
         (:meth:`IreeModule.submit`), the host waiting for the oldest once ``window`` more are queued; the
         ``next_token`` of the last given token's call and of each decode call is copied back right behind its call
-        and read then. Returns those ``count``
-        tokens: the ones of feeding each argmax back from the host (ties go to the first index). When a call
-        fails, the calls queued before it are waited for before the error is raised; the module's state then
-        holds the rows of the calls that ran (reset it).
+        and read then. Returns those ``count`` tokens: the ones of feeding each argmax back from the host (ties go
+        to the first index). When a call fails, the calls queued before it are waited for before the error is
+        raised; the module's state then holds the rows of the calls that ran (reset it).
 
         Raises:
             InputError: the module cannot decode this way (:attr:`decodes_on_device` is False), ``tokens`` is
@@ -288,6 +287,47 @@ def refuse_unsupported(graph: Graph) -> None:
                                f"cannot lower (iree-compile fails to legalize the reduction); they must be a constant{hint}")
 
 
+#: IREE 3.13's CUDA codegen fails an ArgMax whose reduced dim is a static multiple of this ("'func.func' op failed
+#: to distribute" on its arg_compare dispatch): 512, 768, 1024, 2560, 4096, 32768, 102400 (DeepSeek's vocabulary)
+#: and 131072 failed, 256, 500, 513, 1000, 3000, 4097, 20000, 32000, 128256, 151936 and 201088 compiled (fp16 and
+#: fp32, iree-compile --iree-cuda-target=sm_80, with and without --iree-dispatch-creation-opt-level=O3)
+_CUDA_ARGMAX_BAD_MULTIPLE = 256
+
+
+def pad_cuda_argmax(graph: Graph) -> int:
+    """Give each ArgMax that IREE's CUDA codegen cannot compile (its reduced dim a static multiple of
+    :data:`_CUDA_ARGMAX_BAD_MULTIPLE` of at least twice that) one more element along that axis: ``Pad`` with -inf
+    at its end (float, float16, bfloat16 or double input). The result is the same for every input: ArgMax with ``select_last_index=0`` returns
+    the first index of the maximum (ONNX operator spec, ArgMax), and the appended -inf is never above an element and
+    comes after every one it ties. An ArgMax with ``select_last_index=1`` is left as it is. Returns the count padded
+    (the next token's ArgMax over a 512-token vocabulary, ``rewrite apply --next-token``, is the case met).
+    """
+    padded = 0
+    if (graph.opset("") or 1) < 11:  # Pad takes its pads and value as inputs from opset 11 on
+        return 0
+    for n in graph.nodes_by_op("ArgMax"):
+        shape = graph.values[n.inputs[0]].shape
+        if n.attr("select_last_index", 0) or shape is None:
+            continue
+        axis = n.attr("axis", 0) % len(shape)
+        size = shape[axis]
+        if not isinstance(size, int) or size < 2 * _CUDA_ARGMAX_BAD_MULTIPLE or size % _CUDA_ARGMAX_BAD_MULTIPLE:
+            continue
+        src = graph.values[n.inputs[0]]
+        pads = np.zeros(2 * len(shape), np.int64)
+        pads[len(shape) + axis] = 1  # [begins..., ends...]: one element at the end of the axis
+        pads_name = graph.add_initializer(graph.fresh_name(f"{n.name or 'argmax'}_pads"), pads).name
+        value = onnx.helper.tensor_dtype_to_np_dtype(src.dtype)
+        neg = graph.add_initializer(graph.fresh_name(f"{n.name or 'argmax'}_neg_inf"), np.array(-np.inf, value)).name
+        out = graph.fresh_name(f"{n.inputs[0]}_padded")
+        graph.add_node("Pad", [n.inputs[0], pads_name, neg], [out], name=out, order=n.order,
+                       attrs=[onnx.helper.make_attribute("mode", "constant")])
+        graph.values[out].set_type(src.dtype, tuple(d + 1 if i == axis else d for i, d in enumerate(shape)))
+        graph.set_input(n, 0, out)
+        padded += 1
+    return padded
+
+
 class IreeBackend:
     name = "iree"
     targets = ("llvm-cpu", "cuda")
@@ -295,6 +335,8 @@ class IreeBackend:
     def lower(self, graph: Graph, folder: Path, manifest: Manifest, *, options: dict, lowerings: dict) -> None:
         """``lowerings``: op_type -> IREE lowering function for ``manifest.target``."""
         refuse_unsupported(graph)
+        if manifest.target == "cuda":
+            pad_cuda_argmax(graph)
         onnx_path = folder / manifest.model
         if not graph.name:  # the importer names the entry function after the graph and rejects ""
             graph.name = "main_graph"
