@@ -3,7 +3,7 @@
 The seed form (fp32): a one-token stateful IREE module (llvm-cpu) decoded on the device, several calls in flight,
 gives the tokens of the host's argmax loop on the same folder and of ONNX Runtime on the original model; the ORT
 backend's ``next_token`` equals the logits' argmax; bad graphs are refused with the graph left as it was; on
-``--target cuda`` the ArgMax over a 512-token vocabulary, which IREE's CUDA codegen fails, compiles once padded.
+``--target cuda`` the ArgMax over a 512-token vocabulary, which IREE's CUDA codegen fails, compiles as reductions.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from rewrite.backends.iree import DECODE_WINDOW, pad_cuda_argmax
+from rewrite.backends.iree import DECODE_WINDOW, cuda_argmax_as_reductions
 from rewrite.cli import cli
 from rewrite.core import onnx_io
 from rewrite.core.ir import Graph
@@ -106,48 +106,52 @@ def test_only_our_argmax_is_taken_for_the_next_token(tmp_path):
         assert (iface.next_token == NEXT_TOKEN) is taken, attrs
 
 
-def _argmax_graph(n: int, dtype=onnx.TensorProto.FLOAT16, **attrs) -> Graph:
+def _argmax_graph(n: int, dtype=onnx.TensorProto.FLOAT16, opset: int = 17, **attrs) -> Graph:
     x = onnx.helper.make_tensor_value_info("x", dtype, [1, 1, n])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [1, 1])
     node = onnx.helper.make_node("ArgMax", ["x"], ["y"], axis=-1, keepdims=0, **attrs)
     model = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y]),
-                                   opset_imports=[onnx.helper.make_opsetid("", 17)])
+                                   opset_imports=[onnx.helper.make_opsetid("", opset)])
     return onnx_io.load(model)
 
 
-def test_an_argmax_iree_cuda_cannot_compile_gets_one_minus_infinity():
-    """pad_cuda_argmax: a static reduced dim that is a multiple of 256 (512 here) gets one -inf element at its end
-    (IREE 3.13's CUDA codegen fails such an ArgMax); ONNX Runtime gives the same index as on the original for
-    random rows, rows of ties and an all -inf row; other sizes and select_last_index=1 are left alone."""
+@pytest.mark.parametrize("opset", [17, 18])
+def test_an_argmax_iree_cuda_cannot_compile_becomes_reductions(opset):
+    """cuda_argmax_as_reductions: an ArgMax over a static multiple of 256 values (512 here; IREE 3.13's CUDA codegen
+    fails it) becomes ReduceMax, Equal, Where, ReduceMin, Min: the output keeps its name, and ONNX Runtime gives the
+    original's index for random rows, a row with a tie, an all -inf row and a row with a NaN is kept in range;
+    other sizes and select_last_index=1 are left alone."""
     import onnxruntime as ort
 
-    g = _argmax_graph(512)
-    assert pad_cuda_argmax(g) == 1
-    assert [n.op_type for n in g.topo_nodes()] == ["Pad", "ArgMax"]
-    pad = g.nodes_by_op("Pad")[0]
-    assert g.values[pad.outputs[0]].shape == (1, 1, 513)
-    padded = ort.InferenceSession(onnx_io.to_model(g).SerializeToString(), providers=["CPUExecutionProvider"])
-    plain = ort.InferenceSession(onnx_io.to_model(_argmax_graph(512)).SerializeToString(), providers=["CPUExecutionProvider"])
+    g = _argmax_graph(512, opset=opset)
+    assert cuda_argmax_as_reductions(g) == 1
+    assert [n.op_type for n in g.topo_nodes()] == ["ReduceMax", "Equal", "Where", "ReduceMin", "Min"]
+    assert g.outputs == ["y"] and g.producer_node("y").op_type == "Min"
+    rewritten = ort.InferenceSession(onnx_io.to_model(g).SerializeToString(), providers=["CPUExecutionProvider"])
+    plain = ort.InferenceSession(onnx_io.to_model(_argmax_graph(512, opset=opset)).SerializeToString(),
+                                 providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     rows = [rng.standard_normal((1, 1, 512)).astype(np.float16) for _ in range(4)]
     rows += [np.full((1, 1, 512), 3, np.float16), np.full((1, 1, 512), -np.inf, np.float16)]
     rows[-2][0, 0, 7] = rows[-2][0, 0, 300] = 5  # a tie: the first index
     for x in rows:
-        got, want = padded.run(None, {"x": x})[0], plain.run(None, {"x": x})[0]
-        assert got.tolist() == want.tolist() == [[int(np.argmax(x[0, 0]))]]
+        got, want = rewritten.run(None, {"x": x})[0], plain.run(None, {"x": x})[0]
+        assert got.dtype == np.int64 and got.tolist() == want.tolist() == [[int(np.argmax(x[0, 0]))]]
+    nan = rows[0].copy()
+    nan[0, 0, 9] = np.nan
+    assert 0 <= int(rewritten.run(None, {"x": nan})[0][0, 0]) < 512
     for kept in (_argmax_graph(500), _argmax_graph(256), _argmax_graph(512, select_last_index=1)):
-        assert pad_cuda_argmax(kept) == 0 and [n.op_type for n in kept.topo_nodes()] == ["ArgMax"]
+        assert cuda_argmax_as_reductions(kept) == 0 and [n.op_type for n in kept.topo_nodes()] == ["ArgMax"]
 
 
 def test_next_token_compiles_for_cuda(seed_fp32, tmp_path):
     """The seed form's 512-token vocabulary: --next-token on --target cuda compiles (iree-compile failed to
-    distribute the ArgMax before its padding), the folder's graph reading the padded logits."""
+    distribute its ArgMax), the folder's graph taking the reductions instead."""
     apply(seed_fp32[0], tmp_path / "cuda", plugins=PLUGINS, backend="iree", target="cuda",
           options={"stateful": True, "next_token": True}, dims={"seq_len": 1})
     assert (tmp_path / "cuda" / "model.vmfb").stat().st_size > 0
     g = onnx_io.load(tmp_path / "cuda" / "model.onnx")
-    [argmax] = g.nodes_by_op("ArgMax")
-    assert g.producer_node(argmax.inputs[0]).op_type == "Pad"
+    assert not g.nodes_by_op("ArgMax") and g.producer_node(NEXT_TOKEN).op_type == "Min"
 
 
 def test_ort_next_token_is_the_argmax_of_the_last_position(folders):

@@ -287,45 +287,71 @@ def refuse_unsupported(graph: Graph) -> None:
                                f"cannot lower (iree-compile fails to legalize the reduction); they must be a constant{hint}")
 
 
-#: IREE 3.13's CUDA codegen fails an ArgMax whose reduced dim is a static multiple of this ("'func.func' op failed
-#: to distribute" on its arg_compare dispatch): 512, 768, 1024, 2560, 4096, 32768, 102400 (DeepSeek's vocabulary)
-#: and 131072 failed, 256, 500, 513, 1000, 3000, 4097, 20000, 32000, 128256, 151936 and 201088 compiled (fp16 and
-#: fp32, iree-compile --iree-cuda-target=sm_80, with and without --iree-dispatch-creation-opt-level=O3)
+#: IREE 3.13's CUDA codegen fails an ArgMax (its arg_compare dispatch: "'func.func' op failed to distribute") over
+#: 512, 768, 1024, 1536, 2560, 4096, 8192, 16384, 32768, 65536, 102400 (DeepSeek's vocabulary) and 131072 values,
+#: every one a multiple of this; it compiled 256, 500, 513, 1000, 3000, 4097, 20000, 32000, 128256, 151936 and
+#: 201088 (fp16 and fp32, --iree-cuda-target=sm_80, with and without --iree-dispatch-creation-opt-level=O3), and
+#: ran for minutes without end on 102401 and 102408, so padding the input is no way round it either
 _CUDA_ARGMAX_BAD_MULTIPLE = 256
 
 
-def pad_cuda_argmax(graph: Graph) -> int:
-    """Give each ArgMax that IREE's CUDA codegen cannot compile (its reduced dim a static multiple of
-    :data:`_CUDA_ARGMAX_BAD_MULTIPLE` of at least twice that) one more element along that axis: ``Pad`` with -inf
-    at its end (float, float16, bfloat16 or double input). The result is the same for every input: ArgMax with ``select_last_index=0`` returns
-    the first index of the maximum (ONNX operator spec, ArgMax), and the appended -inf is never above an element and
-    comes after every one it ties. An ArgMax with ``select_last_index=1`` is left as it is. Returns the count padded
-    (the next token's ArgMax over a 512-token vocabulary, ``rewrite apply --next-token``, is the case met).
+def cuda_argmax_as_reductions(graph: Graph) -> int:
+    """Replace each ArgMax that IREE's CUDA codegen may not compile (its reduced dim a static multiple of
+    :data:`_CUDA_ARGMAX_BAD_MULTIPLE` of at least twice that; ``select_last_index=0``) with reductions it compiles
+    for any size: ``m = ReduceMax(x)`` (kept dims), ``i = ReduceMin(Where(x == m, iota, N))``, ``Min(i, N - 1)``.
+    The first index of the maximum, as ONNX ArgMax with ``select_last_index=0`` returns it (ONNX operator spec,
+    ArgMax), ties and all -inf rows included; the ``Min`` keeps a row with a NaN (no element equal to its
+    maximum) inside ``[0, N)``, where ArgMax gives some index too. Returns the count replaced (the next token's
+    ArgMax over a 512-token vocabulary, ``rewrite apply --next-token``, is the case met).
     """
-    padded = 0
-    if (graph.opset("") or 1) < 11:  # Pad takes its pads and value as inputs from opset 11 on
+    opset = graph.opset("") or 1
+    if opset < 13:  # ReduceMax/ReduceMin over int64 and Where's broadcasting as used here
         return 0
+    replaced = 0
     for n in graph.nodes_by_op("ArgMax"):
-        shape = graph.values[n.inputs[0]].shape
+        src = graph.values[n.inputs[0]]
+        shape = src.shape
         if n.attr("select_last_index", 0) or shape is None:
             continue
         axis = n.attr("axis", 0) % len(shape)
         size = shape[axis]
         if not isinstance(size, int) or size < 2 * _CUDA_ARGMAX_BAD_MULTIPLE or size % _CUDA_ARGMAX_BAD_MULTIPLE:
             continue
-        src = graph.values[n.inputs[0]]
-        pads = np.zeros(2 * len(shape), np.int64)
-        pads[len(shape) + axis] = 1  # [begins..., ends...]: one element at the end of the axis
-        pads_name = graph.add_initializer(graph.fresh_name(f"{n.name or 'argmax'}_pads"), pads).name
-        value = onnx.helper.tensor_dtype_to_np_dtype(src.dtype)
-        neg = graph.add_initializer(graph.fresh_name(f"{n.name or 'argmax'}_neg_inf"), np.array(-np.inf, value)).name
-        out = graph.fresh_name(f"{n.inputs[0]}_padded")
-        graph.add_node("Pad", [n.inputs[0], pads_name, neg], [out], name=out, order=n.order,
-                       attrs=[onnx.helper.make_attribute("mode", "constant")])
-        graph.values[out].set_type(src.dtype, tuple(d + 1 if i == axis else d for i, d in enumerate(shape)))
-        graph.set_input(n, 0, out)
-        padded += 1
-    return padded
+        base = n.name or "argmax"
+        keep = n.attr("keepdims", 1)
+
+        def const(hint: str, array: np.ndarray) -> str:
+            return graph.add_initializer(graph.fresh_name(f"{base}_{hint}"), array).name
+
+        def reduce(op: str, x: str, keepdims: int, name: str) -> str:
+            if opset >= 18:  # axes became an input
+                graph.add_node(op, [x, const("axes", np.array([axis], np.int64))], [name], name=name, order=n.order,
+                               attrs=[onnx.helper.make_attribute("keepdims", keepdims)])
+            else:
+                graph.add_node(op, [x], [name], name=name, order=n.order,
+                               attrs=[onnx.helper.make_attribute("axes", [axis]),
+                                      onnx.helper.make_attribute("keepdims", keepdims)])
+            return name
+
+        kept_shape = tuple(1 if i == axis else d for i, d in enumerate(shape))
+        m = reduce("ReduceMax", src.name, 1, graph.fresh_name(f"{base}_max"))
+        graph.values[m].set_type(src.dtype, kept_shape)
+        eq = graph.fresh_name(f"{base}_is_max")
+        graph.add_node("Equal", [src.name, m], [eq], name=eq, order=n.order)
+        graph.values[eq].set_type(onnx.TensorProto.BOOL, shape)
+        iota = const("iota", np.arange(size, dtype=np.int64).reshape((size,) + (1,) * (len(shape) - 1 - axis)))
+        cand = graph.fresh_name(f"{base}_index")
+        graph.add_node("Where", [eq, iota, const("none", np.array(size, np.int64))], [cand], name=cand, order=n.order)
+        graph.values[cand].set_type(onnx.TensorProto.INT64, shape)
+        first = reduce("ReduceMin", cand, keep, graph.fresh_name(f"{base}_first"))
+        out_shape = kept_shape if keep else tuple(d for i, d in enumerate(shape) if i != axis)
+        graph.values[first].set_type(onnx.TensorProto.INT64, out_shape)
+        index = graph.fresh_name(f"{base}_clamped")
+        graph.add_node("Min", [first, const("last", np.array(size - 1, np.int64))], [index], name=index, order=n.order)
+        graph.values[index].set_type(onnx.TensorProto.INT64, out_shape)
+        graph.replace_node(n, [index])  # a graph output keeps its name (the next token's)
+        replaced += 1
+    return replaced
 
 
 class IreeBackend:
@@ -336,7 +362,7 @@ class IreeBackend:
         """``lowerings``: op_type -> IREE lowering function for ``manifest.target``."""
         refuse_unsupported(graph)
         if manifest.target == "cuda":
-            pad_cuda_argmax(graph)
+            cuda_argmax_as_reductions(graph)
         onnx_path = folder / manifest.model
         if not graph.name:  # the importer names the entry function after the graph and rejects ""
             graph.name = "main_graph"
