@@ -70,10 +70,13 @@ CONFIGS = (
 )
 #: plugin sets also checked on the seed's static-cache form (``examples/seed_form.py``, tiny) compiled as the
 #: full-size decode is: a stateful module of one token per call (``--stateful --dim seq_len=1``: the KV cache in
-#: module state, its row writes as state-rows dispatches), against ONNX Runtime CPU on the seed form
+#: module state, its row writes as state-rows dispatches), against ONNX Runtime CPU on the seed form:
+#: (backend, plugins, expected to give the reference tokens, --next-token: decoded on the device)
 STATEFUL_CONFIGS = (
-    ("iree", "cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
-    ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe", True),
+    ("iree", "cast,rope,norm,legalize,expand,kv,attention,topk,moe", True, False),
+    ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe", True, False),
+    # and with --next-token, decoded on the device as the full-size runs decode (the prompt's calls queued too)
+    ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe", True, True),
 )
 #: plugin sets for the other families (``--families``): the coverage matrix's ``topk,moe`` with a static KV cache
 FAMILY_CONFIGS = (
@@ -463,21 +466,23 @@ def _stateful_rows(out: Path, arch: str, dtype: str, only_with: str | None) -> l
     src = seed_form.save_seed_model(seed_form.build_seed_model(dtype, arch=arch)[0], out / f"{arch}_{dtype}_seed" / "model.onnx")
     refs = {"": Generator.reference(src).generate(PROMPT, STEPS)}
     rows = []
-    for backend, plugins, expected in STATEFUL_CONFIGS:
+    for backend, plugins, expected, next_token in STATEFUL_CONFIGS:
         if only_with and not set(only_with.split(",")) & set(plugins.split(",")):
             continue
         if plugins.startswith("quant4") and "quant4" not in refs:
             apply(src, out / f"{arch}_{dtype}_seed_quant4", plugins="quant4", backend="ort")
             refs["quant4"] = Generator.reference(out / f"{arch}_{dtype}_seed_quant4" / "model.onnx").generate(PROMPT, STEPS)
-        name = f"{arch}_{dtype}_seed_{backend}_{plugins.replace(',', '-')}_stateful_t1"
+        name = f"{arch}_{dtype}_seed_{backend}_{plugins.replace(',', '-')}_stateful_t1{'_next' if next_token else ''}"
         ref = refs["quant4" if plugins.startswith("quant4") else ""]
         # steps whose reference logits tie at the top (the tiny fp16 seed form has some): any of the tied is right
         ties = {str(k): np.flatnonzero(lg[0, -1] == lg[0, -1].max()).tolist() for k, lg in enumerate(ref.logits)}
         ties = {k: v for k, v in ties.items() if len(v) > 1}
-        row = dict(model=f"{arch}-seed", dtype=dtype, backend=backend, target="cuda", plugins=plugins + " --stateful, 1 token a call",
+        how = " --stateful --next-token, on the device" if next_token else " --stateful, 1 token a call"
+        row = dict(model=f"{arch}-seed", dtype=dtype, backend=backend, target="cuda", plugins=plugins + how,
                    folder=name, reference=ref.tokens, ties=ties, expected=expected, error=None)
         try:
-            apply(src, out / name, plugins=plugins, backend=backend, target="cuda", options={"stateful": True}, dims={"seq_len": 1})
+            apply(src, out / name, plugins=plugins, backend=backend, target="cuda",
+                  options={"stateful": True, "next_token": next_token}, dims={"seq_len": 1})
         except RewriteError as e:
             row["error"] = str(e)
         rows.append(row)
@@ -487,7 +492,10 @@ def _stateful_rows(out: Path, arch: str, dtype: str, only_with: str | None) -> l
 
 def _generate(gen, prompt: list[int], steps: int) -> list[int]:
     """Greedy tokens of ``gen`` after ``prompt``; a module of one token per call (``--dim seq_len=1``) prefills
-    the prompt one token a call."""
+    the prompt one token a call; one that decodes on the device (``--next-token``) does so there, prompt and
+    decode calls queued (``Generator.generate`` without logits)."""
+    if gen.decodes_on_device:
+        return gen.generate(prompt, steps, logits=False).tokens
     if gen.fixed_width != 1:
         return gen.generate(prompt, steps).tokens
     from rewrite.generate import greedy_token
