@@ -491,22 +491,10 @@ def _stateful_rows(out: Path, arch: str, dtype: str, only_with: str | None) -> l
 
 
 def _generate(gen, prompt: list[int], steps: int) -> list[int]:
-    """Greedy tokens of ``gen`` after ``prompt``; a module of one token per call (``--dim seq_len=1``) prefills
-    the prompt one token a call; one that decodes on the device (``--next-token``) does so there, prompt and
-    decode calls queued (``Generator.generate`` without logits)."""
-    if gen.decodes_on_device:
-        return gen.generate(prompt, steps, logits=False).tokens
-    if gen.fixed_width != 1:
-        return gen.generate(prompt, steps).tokens
-    from rewrite.generate import greedy_token
-
-    gen.reset()
-    for tok in prompt:
-        logits = gen.step(np.array([[tok]], np.int64))
-    tokens = [greedy_token(logits[0, -1])]
-    while len(tokens) < steps:
-        tokens.append(greedy_token(gen.step(np.array([[tokens[-1]]], np.int64))[0, -1]))
-    return tokens
+    """Greedy tokens of ``gen`` after ``prompt`` (``Generator.generate`` without logits): a module of one token
+    per call (``--dim seq_len=1``) gets the prompt one token a call, and one that decodes on the device
+    (``--next-token``) queues its prompt and decode calls there."""
+    return gen.generate(prompt, steps, logits=False).tokens
 
 
 def _ort_cuda() -> bool:

@@ -244,18 +244,32 @@ class Generator:
             raise GenerationError("empty prompt: give at least one token id")
         if not self.decodes_on_device:
             return greedy_token(self.prefill(prompt_ids)[0, -1])
-        if self.max_seq is not None and self.position + len(prompt_ids) > self.max_seq:
-            raise GenerationError(f"position {self.position} + {len(prompt_ids)} token(s) exceeds the cache's "
-                                  f"{self.max_seq} positions (--max-seq); call reset()")
+        [token] = self._on_device(list(prompt_ids), 1, len(prompt_ids), "token(s)")
+        return token
+
+    def _on_device(self, tokens: list[int] | int, count: int, calls: int, what: str) -> list[int]:
+        """:meth:`rewrite.backends.iree.IreeRunner.greedy_decode` of ``tokens`` then ``count - 1`` greedy calls
+        from the current position, ``calls`` calls in all; the position advances by them. ``what`` names the calls
+        in the error.
+
+        Raises:
+            GenerationError: the calls would write past the cache's positions (checked first: nothing runs).
+            InputError: the runner refused the tokens before queuing a call.
+            IreeRuntimeError: a call failed; the generator is then reset (its cache holds the rows of the calls
+                that ran, at positions it no longer knows).
+        """
+        if self.max_seq is not None and self.position + calls > self.max_seq:
+            raise GenerationError(f"position {self.position} + {calls} {what} exceeds the cache's {self.max_seq} "
+                                  "positions (--max-seq); call reset()")
         try:
-            [token] = self.runner.greedy_decode(list(prompt_ids), self.position, 1)
+            out = self.runner.greedy_decode(tokens, self.position, count)
         except InputError:  # refused before any call was queued: nothing ran
             raise
         except BaseException:
             self.reset()
             raise
-        self.position += len(prompt_ids)
-        return token
+        self.position += calls
+        return out
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, logits: bool = True) -> GenerateResult:
         """Reset, prefill ``prompt_ids`` (:meth:`prefill`), then decode ``max_new_tokens`` greedily (argmax), one per
@@ -315,19 +329,11 @@ class Generator:
         """
         if count <= 0:
             return []
+        if self.decodes_on_device:
+            return self._on_device(token, count, count, "decode step(s)")
         if self.max_seq is not None and self.position + count > self.max_seq:
             raise GenerationError(f"position {self.position} + {count} decode step(s) exceeds the cache's {self.max_seq} "
                                   "positions (--max-seq); call reset()")
-        if self.decodes_on_device:
-            try:
-                tokens = self.runner.greedy_decode(token, self.position, count)
-            except InputError:  # refused before any call was queued: nothing ran
-                raise
-            except BaseException:
-                self.reset()
-                raise
-            self.position += count
-            return tokens
         tokens = []
         for _ in range(count):
             token = greedy_token(self.step(np.array([[token]], np.int64))[0, -1])

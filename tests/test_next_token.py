@@ -147,8 +147,9 @@ def test_an_argmax_iree_cuda_cannot_compile_becomes_reductions(opset):
 def test_next_token_compiles_for_cuda(seed_fp32, tmp_path):
     """The seed form's 512-token vocabulary: --next-token on --target cuda compiles (iree-compile failed to
     distribute its ArgMax), the folder's graph taking the reductions instead."""
-    apply(seed_fp32[0], tmp_path / "cuda", plugins=PLUGINS, backend="iree", target="cuda",
-          options={"stateful": True, "next_token": True}, dims={"seq_len": 1})
+    m = apply(seed_fp32[0], tmp_path / "cuda", plugins=PLUGINS, backend="iree", target="cuda",
+              options={"stateful": True, "next_token": True}, dims={"seq_len": 1})
+    assert m.decoder["next_token"] == NEXT_TOKEN  # recorded before lowering: the device decode finds it
     assert (tmp_path / "cuda" / "model.vmfb").stat().st_size > 0
     g = onnx_io.load(tmp_path / "cuda" / "model.onnx")
     assert not g.nodes_by_op("ArgMax") and g.producer_node(NEXT_TOKEN).op_type == "Min"

@@ -124,7 +124,7 @@ class IreeRunner:
             raise InputError(f"{self.where}: greedy_decode needs a stateful module with a next_token output taking "
                              "one token per call (rewrite apply --stateful --next-token --dim <seq>=1)")
         single = isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool)
-        if not single and (isinstance(tokens, (str, bytes, np.ndarray)) or not isinstance(tokens, Sequence) or not all(
+        if not single and (isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or not all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens)):
             raise InputError(f"{self.where}: greedy_decode takes token ids: an int or a sequence of ints, not {tokens!r}")
         given = [int(tokens)] if single else [int(t) for t in tokens]
