@@ -136,7 +136,7 @@ def prepare(out: Path, lowerings: list[str], families: tuple[str, ...] = MODELS,
                         except RewriteError as e:
                             if not (str(e).startswith("plugin 'kv'") and configs is FAMILY_CONFIGS):
                                 raise
-                            # a cache kv cannot make static (gpt-oss: sliding and full past lengths): the dynamic one
+                            # a cache kv cannot make static (a sliding-window cache trimmed by a Slice): the dynamic one
                             row["plugins"] = plugins = ",".join(p for p in plugins.split(",") if p != "kv")
                             apply(src, out / name, plugins=plugins, backend=backend, target="cuda")
                     except RewriteError as e:

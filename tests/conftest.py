@@ -82,3 +82,13 @@ def router_onnx(tmp_path) -> Path:
     m.ir_version = 8
     onnx.save(m, tmp_path / "router.onnx")
     return tmp_path / "router.onnx"
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_tiny(tmp_path_factory) -> Path:
+    """The tiny gpt-oss decoder (fp32; a sliding-window layer of 16 positions, then a full-attention layer)
+    exported by transformers' exporter: the two layers' caches carry different past-length symbols."""
+    import moe_families
+
+    return _export(tmp_path_factory, "gpt_oss_tiny", lambda: moe_families.build("gpt_oss"),
+                   lambda model, folder: moe_families.export(model, "hf", folder))

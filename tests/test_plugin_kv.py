@@ -19,7 +19,7 @@ from rewrite.core.shapes import infer_shapes
 from rewrite.errors import PluginError
 from rewrite.generate import GenerationError, Generator
 from rewrite.pipeline import RewriteContext, apply
-from rewrite.plugins.kv_cache import KVCache, scatter_model
+from rewrite.plugins.kv_cache import KVCache, _mentions, scatter_model
 
 
 
@@ -98,6 +98,52 @@ def test_growing_cache_becomes_static_and_decodes_like_the_original(qwen2_moe_ti
     with pytest.raises(GenerationError, match="exceeds the cache's 40 positions"):
         for _ in range(4):
             gen.step(np.array([[1, 2]]))
+
+
+@pytest.mark.parametrize("backend,plugins,stateful", [("ort", "kv", False), ("iree", "kv,topk,moe", True)])  # IREE's own TopK is wrong
+def test_sliding_window_caches_with_their_own_past_length_become_one_static_cache(gpt_oss_tiny, tmp_path, backend, plugins,
+                                                                                   stateful):
+    """gpt-oss's export: the sliding-window layer's cache has its own past-length symbol, read by its window
+    mask. Decoding past the window (5 prompt tokens + 24 steps > 16 positions; the window changes the logits
+    from position 16 on by about 1e-2) must match the original within 1e-4 relative."""
+    g = onnx_io.load(gpt_oss_tiny)
+    assert len({g.values[i].shape[2] for i in g.inputs if i.startswith("past_key_values") and i.endswith("keys")}) == 2
+    m = apply(gpt_oss_tiny, tmp_path / "static", plugins=plugins, backend=backend,
+              options={"kv": {"max_seq": 32}, **({"stateful": True} if stateful else {})})
+    if not stateful:
+        shapes = {d["name"]: d["shape"] for d in m.inputs}
+        assert [s for n, s in shapes.items() if n.endswith(("keys", "values"))] == [[1, 2, 32, 16]] * 4
+    apply(gpt_oss_tiny, tmp_path / "orig", backend="ort")
+    ref = Generator(tmp_path / "orig").generate([11, 22, 33, 44, 55], 24)
+    got = Generator(tmp_path / "static").generate([11, 22, 33, 44, 55], 24)
+    assert got.tokens == ref.tokens
+    rel = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)]
+    assert max(rel) < 1e-4, rel
+
+
+def test_a_cache_trimmed_to_its_window_that_shares_the_past_dim_is_refused(tmp_path):
+    """gpt-oss through ``torch.onnx.export(dynamo=True)``: the sliding-window layer's present is its Concat
+    trimmed by a Slice (not a growing cache), and its past shares the full layers' dim ``past``. Converting only
+    the full layers would leave a graph that fails inside ONNX Runtime; the plugin refuses and leaves it as it was."""
+    import warnings
+
+    import moe_families
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = moe_families.export(moe_families.build("gpt_oss"), "dynamo", tmp_path / "dyn")
+    g = onnx_io.load(path)
+    infer_shapes(g)
+    snap = onnx_io.to_model(g).SerializeToString()
+    with pytest.raises(PluginError, match="static cache: input 'past_key_values.0.key' has a dim 'past' of a past "
+                                          "length, but it is not a growing cache"):
+        run_plugin(g, KVCache(), RewriteContext(options={"kv": {"max_seq": 32}}))
+    assert onnx_io.to_model(g).SerializeToString() == snap
+
+
+def test_symbol_mentions_are_whole_identifiers():
+    assert _mentions("s70 + s81", "s81") and _mentions("Max(0, past - 15)", "past") and _mentions("s8", "s8")
+    assert not _mentions("s70 + s81", "s8") and not _mentions("past_len", "past")
 
 
 def test_bad_options_fail_with_one_line(qwen2_moe_tiny):

@@ -165,6 +165,32 @@ def test_a_deep_decoder_keeps_its_cache_in_several_globals(tmp_path):
             np.testing.assert_allclose(state[s["name"]][k][:, :, :written], r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
 
 
+def test_caches_of_two_types_get_globals_of_their_own(tmp_path):
+    """DeepSeek-V3's MLA caches (transformers' export): keys [1, 1, S, 16] (no-rope and rope head dims), values
+    [1, 1, S, 8]. The keys share one global and the values another; the step decodes ORT's greedy tokens on the
+    original (logits within 1e-4 relative) and the globals hold the original's caches."""
+    import warnings
+
+    import moe_families
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = moe_families.export(moe_families.build("deepseek_v3"), "hf", tmp_path / "src")
+    m = apply(path, tmp_path / "iree", plugins="kv,topk,moe", backend="iree", options={"stateful": True, "kv": {"max_seq": 24}})
+    assert [(s["name"], s["shape"], [e["input"] for e in s["entries"]]) for s in m.state] == [
+        ("rewrite_kv_state", [2, 1, 1, 24, 16], ["past_key_values.layers.0.keys", "past_key_values.layers.1.keys"]),
+        ("rewrite_kv_state_1", [2, 1, 1, 24, 8], ["past_key_values.layers.0.values", "past_key_values.layers.1.values"])]
+    gen, ref_gen = Generator(tmp_path / "iree"), Generator.reference(path)
+    got, ref = gen.generate(PROMPT, 12), ref_gen.generate(PROMPT, 12)
+    assert got.tokens == ref.tokens
+    assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4
+    state, written = gen.runner.read_state(), len(PROMPT) + 12 - 1
+    for s in m.state:
+        for k, e in enumerate(s["entries"]):
+            r = ref_gen.past[e["input"]][:, :, :written]
+            np.testing.assert_allclose(state[s["name"]][k][:, :, :written], r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+
+
 @pytest.mark.slow
 def test_a_deep_decoder_writes_its_cache_rows_in_few_dispatches_on_cuda(tmp_path):
     """On CUDA, with the attention reading the new rows apart from the cache as loaded, the row writes of up to 14

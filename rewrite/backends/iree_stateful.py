@@ -3,7 +3,8 @@
 Seed 000, "Stateful KV Cache": passing every layer's cache in and out of the compiled function costs copies
 of all of it per call (5.6 ms + 4.4 ms per step on the seed's GPU); keeping it in the VM module state gave
 +49% decode speed. The caches live in a few combined globals ``tensor<N_j x S...>`` (entry ``k`` of the model =
-the ``k``-th (past, present) pair, slots in order, split into groups of :data:`MAX_SLOTS_PER_GLOBAL` or fewer):
+the ``k``-th (past, present) pair, slots in order, split into groups of :data:`MAX_SLOTS_PER_GLOBAL` or fewer; caches
+of another type, such as DeepSeek-V3's MLA values beside its keys, in groups of their own):
 
 * not one global per cache: two globals with equal initial values are merged by iree-compile 3.13 and then
   alias (seed: "IREE aliases the insert_slice destination to the global's storage"; reproduced on
@@ -39,7 +40,7 @@ The function then takes the remaining inputs (token ids, position) and returns t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -150,14 +151,15 @@ class _Slot:
 
 
 def make_stateful(mod: MlirModule, function: str, input_names: list[str], output_names: list[str],
-                  pairs: list[tuple[str, str]], onnx_dtype: str, axis: int | None = None,
+                  pairs: list[tuple[str, str]], onnx_dtypes: Sequence[str], axis: int | None = None,
                   max_slots: int = MAX_SLOTS_PER_GLOBAL, rows_apart: bool = False,
                   rows_object: Callable[[], str] | None = None) -> list[StateSpec]:
     """Move the cache tensors of ``pairs`` ((input name, output name), in slot order) into module state, in place.
 
     ``input_names``/``output_names``: the entry function's arguments/results in order (graph inputs, graph
-    outputs). Every paired tensor must have the same static type. The slots are split into globals of at most
-    ``max_slots`` (:func:`group_sizes`). When ``axis`` is given, a present that is
+    outputs); ``onnx_dtypes``: each pair's ONNX element type name (``FLOAT``...). Each paired tensor must keep one
+    static type. Caches of one type share globals, split into groups of at most ``max_slots`` (:func:`group_sizes`);
+    caches of another type get globals of their own (DeepSeek-V3's MLA keys and values differ in head size). When ``axis`` is given, a present that is
     ``KVCacheUpdate(past, update, position)`` of its own past is written as its new rows only (module docstring);
     ``rows_apart``: the step also reads those rows apart from the cache as loaded (see :func:`_rows_barrier`).
     ``rows_object``: gives the PTX of ``kernels/state_rows_cuda.cu`` (a path as ``#hal.executable.object`` takes
@@ -165,10 +167,11 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
     :func:`_row_chunks` chunk.
 
     Returns:
-        one :class:`StateSpec` per global, in slot order.
+        one :class:`StateSpec` per global: the globals of the first slot's type first, each type's in slot order.
 
     Raises:
-        BackendError: the entry function or a name is not found, a cache type is dynamic, or types differ.
+        BackendError: the entry function or a name is not found, a cache type is dynamic or differs between its
+            past and its present.
     """
     fn = mod.function(function)
     block = fn.regions[0].blocks[0]
@@ -187,25 +190,34 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
             raise BackendError(f"stateful: cache '{past}' -> '{present}' has type {t_in.text} -> {t_out.text}; a static, "
                                "unchanged type is needed (run the kv plugin with --max-seq)")
         found.append((i, o, t_in))
-    entry = found[0][2]
-    if any(t.text != entry.text for _, _, t in found):
-        raise BackendError("stateful: cache tensors differ in type; one combined global needs equal types")
-    sizes = group_sizes(len(found), max_slots)
-    owner = [(j, x) for j, size in enumerate(sizes) for x in range(size)]
-    slots = [_Slot(i, o, t, *owner[k]) for k, (i, o, t) in enumerate(found)]
-    gtypes = [_global_type(size, entry) for size in sizes]
+    if len(onnx_dtypes) != len(found):
+        raise BackendError(f"stateful: {len(onnx_dtypes)} element types for {len(found)} cache pairs")
+    # global j holds caches of type entries[j]: one type's slots split by group_sizes, then the next type's
+    slots: list[_Slot | None] = [None] * len(found)
+    sizes, entries, dtypes = [], [], []
+    for text in dict.fromkeys(t.text for _, _, t in found):
+        members = [k for k, (_, _, t) in enumerate(found) if t.text == text]
+        for size in group_sizes(len(members), max_slots):
+            j = len(sizes)
+            sizes.append(size)
+            entries.append(found[members[0]][2])
+            dtypes.append(onnx_dtypes[members[0]])
+            for x, k in enumerate(members[:size]):
+                slots[k] = _Slot(*found[k], j, x)
+            members = members[size:]
+    gtypes = [_global_type(size, entry) for size, entry in zip(sizes, entries)]
     direct = {k: _direct_update(results[s.res], args[s.arg], block) if axis is not None else None for k, s in enumerate(slots)}
-    chunks = _row_chunks(slots, direct, ret, entry, axis) if rows_object is not None else []
+    chunks = _row_chunks(slots, direct, ret, axis) if rows_object is not None else []
     opset = fn.attributes["torch.onnx_meta.opset_version"] if "torch.onnx_meta.opset_version" in fn.attributes else None
-    zero = "0.0" if entry.builtin_element.startswith(("f", "bf")) else "0"
-    globals_ = "\n".join(f"util.global private mutable @{global_name(j)} = dense<{zero}> : {gtype}" for j, gtype in enumerate(gtypes))
+    globals_ = "\n".join(f"util.global private mutable @{global_name(j)} = dense<{_zero(entries[j])}> : {gtype}"
+                         for j, gtype in enumerate(gtypes))
     mod.add(globals_, "stateful KV cache", first=True)
     if chunks:
         sizes_used, obj = sorted({len(c) for c in chunks}), rows_object()
         mod.add("\n".join(cuda_executable_source(f"{ROWS_EXECUTABLE}_m{m}", obj, [f"state_rows_m{m}"], m + 1, 1, 5,
                                                  ROWS_THREADS) for m in sizes_used), "stateful KV cache: row writes", first=True)
     # the helpers' piece holds the globals again (left out when added: the same ops) so that it verifies alone
-    mod.add(globals_ + "\n" + _helpers(slots, direct, gtypes, entry, axis, str(opset) if opset is not None else None, rows_apart,
+    mod.add(globals_ + "\n" + _helpers(slots, direct, gtypes, axis, str(opset) if opset is not None else None, rows_apart,
                                        chunks), "stateful KV cache")
 
     loc = fn.location
@@ -253,22 +265,27 @@ def make_stateful(mod: MlirModule, function: str, input_names: list[str], output
         if op.name == "func.call" and ir.FlatSymbolRefAttr(op.attributes["callee"]).value.startswith(f"{_HELPER}slot_") \
                 and not list(op.results[0].uses):
             op.erase()
-    return [StateSpec(global_name(j), getter_name(j), [size, *entry.dims], onnx_dtype,
+    return [StateSpec(global_name(j), getter_name(j), [size, *entries[j].dims], dtypes[j],
                       [{"input": input_names[s.arg], "output": output_names[s.res]} for s in slots if s.group == j], axis)
             for j, size in enumerate(sizes)]
 
 
-def _row_chunks(slots: list[_Slot], direct, ret: ir.Operation, entry: VTensor, axis: int) -> list[list[int]]:
+def _zero(entry: VTensor) -> str:
+    """The zero literal of ``entry``'s element type in a ``dense<...>`` initial value."""
+    return "0.0" if entry.builtin_element.startswith(("f", "bf")) else "0"
+
+
+def _row_chunks(slots: list[_Slot], direct, ret: ir.Operation, axis: int) -> list[list[int]]:
     """The slots whose row writes one state-rows dispatch makes, in chunks: runs of at most
     :data:`MAX_ROWS_PER_WRITE` consecutive slots of one global whose updates have one static type and one position
     value (an int64), and whose presents only the return reads (the write may then move to the chunk's last
     update). The element type must be a whole number of 16-bit words (the kernel moves words), and an update 1 to
     :data:`MAX_GRID_Y` rows (a workgroup each along the grid's y, CUDA's limit there)."""
-    if entry.builtin_element not in _WORDS:
-        return []
     chunks: list[list[int]] = []
     for k, s in enumerate(slots):
         call = direct[k]
+        if s.type.builtin_element not in _WORDS:
+            continue
         dims = VTensor.parse(str(call.operands[1].type)).dims if call is not None else [None]
         rows = int(np.prod(dims[:axis + 1])) if None not in dims else 0
         ok = 0 < rows <= MAX_GRID_Y and all(use.owner == ret for use in call.results[0].uses) \
@@ -285,12 +302,12 @@ def _row_chunks(slots: list[_Slot], direct, ret: ir.Operation, entry: VTensor, a
     return chunks
 
 
-def _rows_helper(c: int, members: list[int], slots: list[_Slot], direct, gtype: str, entry: VTensor, axis: int,
-                 attrs: str) -> str:
+def _rows_helper(c: int, members: list[int], slots: list[_Slot], direct, gtype: str, axis: int, attrs: str) -> str:
     """``@rewrite_kv_state_rows_<c>(state, rows..., position) -> (state, present...)``: one dispatch of the state-rows
     kernel (``kernels/state_rows_cuda.cu``: its layout and contract) writing each member slot's rows in place."""
     calls = [direct[k] for k in members]
     t_u, t_p = VTensor.parse(str(calls[0].operands[1].type)), VTensor.parse(str(calls[0].operands[2].type))
+    entry = slots[members[0]].type  # a chunk's slots share one global, so one type
     t, b, m = entry.text, entry.builtin, len(calls)
     words = _WORDS[entry.builtin_element]
     outer, n = 1, t_u.dims[axis]
@@ -327,20 +344,20 @@ def _global_type(size: int, entry: VTensor) -> str:
     return "tensor<" + "x".join(str(d) for d in [size, *entry.dims]) + "x" + entry.builtin_element + ">"
 
 
-def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis: int | None, opset: str | None,
+def _helpers(slots: list[_Slot], direct, gtypes: list[str], axis: int | None, opset: str | None,
              rows_apart: bool = False, chunks: list[list[int]] = ()) -> str:
     """The getters and the private helpers of :func:`make_stateful`, as one piece of MLIR (it loads the
     globals, which the module must hold already). ``chunks``: :func:`_row_chunks`, written by the state-rows
     kernel instead of a scatter each."""
     attrs = f" attributes {{torch.onnx_meta.opset_version = {opset}}}" if opset else ""  # the torch pipeline wants it on every function
-    r = len(entry.dims)
-    ones = ", ".join("1" for _ in range(r + 1))
-    sizes = ", ".join(["1", *(str(d) for d in entry.dims)])
-    t, b = entry.text, entry.builtin
     out = [f"func.func @{getter_name(j)}() -> {gtype}{attrs} {{\n  %s = util.global.load @{global_name(j)} : {gtype}\n"
            f"  return %s : {gtype}\n}}" for j, gtype in enumerate(gtypes)]
     for k, slot in enumerate(slots):
-        gtype = gtypes[slot.group]
+        gtype, entry = gtypes[slot.group], slot.type
+        r = len(entry.dims)
+        ones = ", ".join("1" for _ in range(r + 1))
+        sizes = ", ".join(["1", *(str(d) for d in entry.dims)])
+        t, b = entry.text, entry.builtin
         offs = ", ".join([str(slot.index)] + ["0"] * r)
         out.append(f"func.func private @{_HELPER}slot_{k}(%s: {gtype}) -> {t}{attrs} {{\n"
                    f"  %e = tensor.extract_slice %s[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
@@ -362,7 +379,7 @@ def _helpers(slots: list[_Slot], direct, gtypes: list[str], entry: VTensor, axis
                    + insert_rows_mlir("w", "%s", gtype, [str(slot.index)], "%ub", t_u, "%pb", t_p, entry.dims[axis], axis, "%w") + "\n"
                    f"  %e = tensor.extract_slice %w[{offs}] [{sizes}] [{ones}] : {gtype} to {b}\n"
                    f"  %v = torch_c.from_builtin_tensor %e : {b} -> {t}\n  return %w, %v : {gtype}, {t}\n}}")
-    out += [_rows_helper(c, members, slots, direct, gtypes[slots[members[0]].group], entry, axis, attrs)
+    out += [_rows_helper(c, members, slots, direct, gtypes[slots[members[0]].group], axis, attrs)
             for c, members in enumerate(chunks)]
     return "\n".join(out)
 
@@ -406,7 +423,7 @@ def make_module_stateful(mod: MlirModule, function: str, manifest, graph, ctx: P
             raise BackendError(f"--stateful: the KV cache '{growing[0]}' grows by a Concat each call; a static, unchanged "
                                f"type is needed: add --max-seq N (the kv plugin's static cache)")
         raise BackendError(f"--stateful: no static KV cache (past input written into a present output) in the model (inputs: {', '.join(ins)})")
-    dtype = next(d["dtype"] for d in manifest.inputs if d["name"] == pairs[0][0])
+    dtype = {d["name"]: d["dtype"] for d in manifest.inputs}
     axes = {n.attr("axis") % len(graph.values[n.inputs[0]].shape) for n in graph.nodes.values()
             if n.op_type == "KVCacheUpdate" and graph.values[n.inputs[0]].shape is not None}  # as the op reads it
     axis = axes.pop() if len(axes) == 1 else None
@@ -418,7 +435,8 @@ def make_module_stateful(mod: MlirModule, function: str, manifest, graph, ctx: P
         def rows_object() -> str:
             return ctx.object_path(build_cuda_ptx(kernel_source(__file__, "state_rows_cuda.cu"), ctx.cuda_arch))
     with mod.context:
-        specs = make_stateful(mod, function, ins, outs, pairs, dtype, axis, rows_apart=rows_apart, rows_object=rows_object)
+        specs = make_stateful(mod, function, ins, outs, pairs, [dtype[p] for p, _ in pairs], axis, rows_apart=rows_apart,
+                              rows_object=rows_object)
     state_in, state_out = {p for p, _ in pairs}, {o for _, o in pairs}
     manifest.inputs = [d for d in manifest.inputs if d["name"] not in state_in]
     manifest.outputs = [d for d in manifest.outputs if d["name"] not in state_out]

@@ -22,6 +22,8 @@ seed 000 item 10). The model interface changes then: pasts/presents ``[B, H, N, 
 
 from __future__ import annotations
 
+import re
+
 import networkx as nx
 import numpy as np
 import onnx
@@ -163,6 +165,13 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     seq_position)``. In the mask and position computations the past length ``P`` (read as ``Shape(past)`` at
     the sequence axis) becomes ``seq_position`` and the key length ``P + n`` becomes ``max_seq``.
 
+    Caches may carry their own past-length symbols (transformers' gpt-oss export gives its sliding-window
+    layers one, read by their window masks, and the full-attention layers another). Every cache grows by the
+    same ``n`` per call and starts empty, so the presents a caller feeds back keep the lengths equal; the static
+    form writes them all at ``seq_position``. A sliding-window layer then keeps every position (``max_seq``
+    slots, like the others) and its window comes from the export's own mask, which compares key slot and
+    query position.
+
     Returns how many caches were converted (0 when the model has no growing cache: then nothing changes).
 
     Raises:
@@ -176,14 +185,28 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     if max_seq <= 0:
         raise RewriteError(f"--max-seq {max_seq}: must be positive")
     pasts = [n.inputs[0] for n in concats]
-    p_syms = {graph.values[p].shape[2] for p in pasts}
+    past_sym = {p: graph.values[p].shape[2] for p in pasts}
     n_syms = {graph.values[n.inputs[1]].shape[2] for n in concats}
     # the new length may be fixed to one token (``--dim <seq>=1``: a module for decode steps only)
-    if (len(p_syms) != 1 or len(n_syms) != 1 or not all(isinstance(d, str) for d in p_syms)
-            or not all(isinstance(d, str) or d == 1 for d in n_syms)):
-        raise RewriteError(f"static cache: caches {', '.join(pasts)} do not share one symbolic past length and one "
-                           "new length (symbolic, or 1)")
-    p_sym, n_sym = p_syms.pop(), n_syms.pop()
+    if len(n_syms) != 1 or not all(isinstance(d, str) or d == 1 for d in n_syms):
+        raise RewriteError(f"static cache: caches {', '.join(pasts)} do not grow by one new length (symbolic, or 1): "
+                           f"{', '.join(sorted(map(str, n_syms)))}")
+    fixed = [p for p, d in past_sym.items() if not isinstance(d, str)]
+    if fixed:
+        raise RewriteError(f"static cache: past '{fixed[0]}' has a fixed length {past_sym[fixed[0]]} at axis 2 "
+                           "(expected a symbolic past length)")
+    n_sym = n_syms.pop()
+    # another input sized by a past length (gpt-oss's dynamo export: the sliding-window layer's cache, trimmed by
+    # a Slice, shares the full layers' dim) would keep a dynamic length the rewritten graph no longer agrees with
+    for i in graph.inputs:
+        shape = graph.values[i].shape or ()
+        if i in past_sym or i == "attention_mask":
+            continue
+        hit = next((d for d in shape if isinstance(d, str) and any(_mentions(d, s) for s in set(past_sym.values()))), None)
+        if hit is not None:
+            raise RewriteError(f"static cache: input '{i}' has a dim '{hit}' of a past length, but it is not a growing "
+                               "cache (Concat(past, new) returned as an output; a sliding-window cache trimmed by a "
+                               "Slice is not converted)")
     rep.matches += len(concats)
     if dry_run:
         return len(concats)
@@ -191,7 +214,11 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     if pos in graph.values:
         raise RewriteError(f"static cache: the model already has a value named '{pos}'")
     ev = SymbolicEvaluator(graph)
-    P, N = Sym(name=p_sym), (Sym(name=n_sym) if isinstance(n_sym, str) else n_sym)
+    # one past length per symbol; several when the export gives some layers their own (gpt-oss's sliding-window
+    # layers): every cache grows by the same new length each call, so they all become one write position
+    syms = {d: Sym(name=d) for d in past_sym.values()}
+    N = Sym(name=n_sym) if isinstance(n_sym, str) else n_sym
+    key_lengths = [v for P in syms.values() for v in ([[P], [N]], [[N], [P]])]
     graph.add_value(pos, dtype=TensorProto.INT64, shape=(1,))
     graph.producer[pos] = (SOURCE, 0)
     graph.inputs.append(pos)
@@ -199,13 +226,14 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     replaced: list[Node] = []
     # key length P + n -> max_seq (first: it is recognized by evaluating to P + n)
     for n in graph.nodes_by_op("Add"):
-        if [ev.vector(i) for i in n.inputs] in ([[P], [N]], [[N], [P]]):
+        if [ev.vector(i) for i in n.inputs] in key_lengths:
             shape = graph.values[n.outputs[0]].shape or ()
             graph.replace_all_uses(n.outputs[0], b.const(np.full(shape, max_seq, np.int64), "max_seq"))
             replaced.append(n)
     # past length P -> seq_position
     scalar_pos = None
     for p in pasts:
+        P = syms[past_sym[p]]
         for c in graph.consumers(p):
             if c in concats:
                 continue
@@ -238,7 +266,8 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     # intermediate types that mention the old lengths are re-inferred from the new inputs
     boundary = set(graph.inputs) | set(graph.outputs)
     for v in graph.values.values():
-        if not v.is_initializer and v.name not in boundary and v.shape is not None and any(isinstance(d, str) and p_sym in d for d in v.shape):
+        if not v.is_initializer and v.name not in boundary and v.shape is not None and any(
+                isinstance(d, str) and any(_mentions(d, s) for s in syms) for d in v.shape):
             v.set_type(None, None)
     for o in graph.outputs:
         graph.output_infos.pop(o, None)
@@ -248,6 +277,12 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     infer_shapes(graph)
     report.notes.append(f"static cache of {max_seq} positions: {len(concats)} caches; new input '{pos}' int64 [1]; attention_mask [.., {max_seq}]")
     return len(concats)
+
+
+def _mentions(dim: str, symbol: str) -> bool:
+    """Whether the symbolic ``dim`` (a name or an expression such as ``'s70 + s81'``) contains ``symbol`` as a
+    whole identifier (``'s8'`` is not in ``'s81'``)."""
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(symbol)}(?![A-Za-z0-9_])", dim) is not None
 
 
 # ------------------------------------------------------------------- proof
