@@ -507,3 +507,48 @@ def test_region_that_computes_something_else_is_refused(tmp_path, qwen2_moe_tiny
     rep = _moe_report(man)["fused-moe-by-value"]
     assert rep["matches"] == 1
     assert [r["reason"][:len(refusal)] for r in rep["refusals"]] == [refusal], rep["refusals"]
+
+
+OPTIMUM_QWEN3_MOE = Path(__file__).parent / "data" / "optimum_qwen3_moe_tiny.onnx"  # examples/optimum_export.py
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+def test_optimum_export_loop_over_experts_fuses(tmp_path, backend):
+    """optimum's export of Qwen3-MoE (TorchScript; a loop over the 8 experts, one module each, summed by
+    ScatterElements into zeros and a chain of Adds): one fused-moe-scatter-sum per layer, the per-expert nodes
+    gone, 12 greedy tokens equal to ONNX Runtime on the original and logits within 1e-4 relative (fp32)."""
+    from rewrite.generate import Generator
+
+    before = onnx.load(OPTIMUM_QWEN3_MOE)
+    assert [n.op_type for n in before.graph.node].count("ScatterElements") == 2 * 8
+    man = apply(OPTIMUM_QWEN3_MOE, tmp_path / "out", plugins=["topk", "moe"], backend=backend)
+    rep = _moe_report(man)
+    assert rep["fused-moe-scatter-sum"]["matches"] == 2
+    assert sum(r["matches"] for r in rep.values()) == 2
+    if backend == "ort":
+        ops = [n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx").graph.node]
+        assert ops.count("MoE") == 2 and "ScatterElements" not in ops and "NonZero" not in ops
+    got = Generator(tmp_path / "out").generate([11, 22, 33, 44, 55], 12)
+    ref = Generator.reference(OPTIMUM_QWEN3_MOE).generate([11, 22, 33, 44, 55], 12)
+    assert got.tokens == ref.tokens
+    assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4
+
+
+def test_optimum_loop_whose_order_is_not_the_experts_is_refused(tmp_path):
+    """Layer 1's experts 3 and 4 swap the rows they take (the expert index each one's mask Gather reads), so the
+    chain's order is no longer the expert ids' order: the stacked weights compute something else and that layer
+    is refused with the closest reading's error; layer 0 still fuses."""
+    model = onnx.load(OPTIMUM_QWEN3_MOE)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    # per expert, Gather(Transpose(OneHot(ids)), e): the rows of the tokens routed to expert e
+    masks = [n for n in model.graph.node if n.op_type == "Gather" and n.name.startswith("/model/layers.1/mlp/")
+             and n.input[0] in producer and producer[n.input[0]].op_type == "Transpose"
+             and producer[producer[n.input[0]].input[0]].op_type == "OneHot"]
+    assert len(masks) == 8
+    masks[3].input[1], masks[4].input[1] = masks[4].input[1], masks[3].input[1]
+    onnx.save(model, tmp_path / "altered.onnx")
+    man = apply(tmp_path / "altered.onnx", tmp_path / "out", plugins=["topk", "moe"], backend="ort")
+    rep = _moe_report(man)["fused-moe-scatter-sum"]
+    assert rep["matches"] == 1
+    reasons = [r["reason"] for r in rep["refusals"] if r["reason"].startswith("no FusedMoE reading")]
+    assert len(reasons) == 1, rep["refusals"]

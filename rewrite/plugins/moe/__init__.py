@@ -10,6 +10,9 @@ Rules (patterns in :mod:`rewrite.plugins.moe.patterns`, the op and its lowerings
   the numerical check of :mod:`rewrite.plugins.moe.semantic` (transformers' default ``grouped_mm`` experts);
 * ``fused-moe-index-add`` (tried last): the same check for a region whose weighted expert outputs are added
   into their tokens' rows by ``ScatterND(zeros, ids, ., reduction="add")`` (JetMoE's ``index_add``);
+* ``fused-moe-scatter-sum`` (tried last): the same check for a loop over the experts, one module each, as
+  TorchScript exports it (optimum's Qwen3-MoE and DeepSeek-V3): per expert ``ScatterElements(zeros, rows,
+  out_e, axis=0)``, summed by a chain of Adds; the experts' 2-D weights are stacked in the chain's order;
 * ``fused-moe-shared`` (after them; for IREE cuda, or any backend with the option ``shared=true``): the sum with a
   sigmoid-gated shared expert (Qwen1.5-MoE) becomes FusedMoE's ``shared`` and ``shared_gate`` inputs
   (:mod:`rewrite.plugins.moe.shared`);
@@ -248,8 +251,81 @@ def _(m):
     m.extra_nodes = proven.region
 
 
+@rule("fused-moe-scatter-sum", benefit=1)
+def fused_moe_scatter_sum(op, acc, term):
+    """A loop over the experts as TorchScript exports ``index_add_`` (optimum): ``acc + ScatterElements(zeros,
+    rows, out_e, axis=0)`` per expert, the last Add of the chain anchoring it; proved equal to FusedMoE on random
+    inputs (rewrite.plugins.moe.semantic) with the experts' 2-D weights stacked in the chain's order."""
+    return op.Add(acc, term, _name="sum")
+
+
+def _scatter_term(graph, value: str):
+    """The ``ScatterElements(zeros, rows, out_e, axis=0)`` (reduction none or add) producing ``value``, else None."""
+    node = graph.producer_node(value)
+    if node is None or node.op_type != "ScatterElements" or node.attr("axis", 0) != 0:
+        return None
+    if node.attr("reduction", "none") not in ("none", "add") or not _is_zeros(graph, node.inputs[0]):
+        return None
+    return node
+
+
+def _shape_read(graph, node) -> bool:
+    """``node`` reads its input only for the shape: a Shape, or a Slice only Shapes read (TorchScript's shape
+    of a slice of the partial sum, for the next scatter's indices)."""
+    if node.op_type == "Shape":
+        return True
+    return node.op_type == "Slice" and all(c.op_type == "Shape" for c in graph.consumers(node.outputs[0]))
+
+
+def _scatter_chain(graph, add) -> list | None:
+    """The ScatterElements terms, first expert first, that the chain of Adds ending at ``add`` sums (it starts
+    from zeros or from the first term), or None when ``add`` is not such a chain of two terms or more."""
+    terms = []
+    while True:
+        a, b = add.inputs
+        ta, tb = _scatter_term(graph, a), _scatter_term(graph, b)
+        if (ta is None) == (tb is None):
+            if ta is None or terms:
+                return None
+            terms += [tb, ta]  # the first Add of two terms
+            break
+        acc, term = (a, tb) if tb is not None else (b, ta)
+        terms.append(term)
+        if _is_zeros(graph, acc):
+            break
+        first = _scatter_term(graph, acc)
+        if first is not None:
+            terms.append(first)
+            break
+        add = graph.producer_node(acc)
+        # the partial sum may be read otherwise only for its shape (the next expert's zeros are shaped like it)
+        if add is None or add.op_type != "Add" or sum(not _shape_read(graph, c) for c in graph.consumers(acc)) != 1:
+            return None
+    return terms[::-1] if len(terms) >= 2 else None
+
+
+@fused_moe_scatter_sum.check
+def _(m):
+    g, node = m.graph, m.node("sum")
+    terms = _scatter_chain(g, node)
+    if terms is None:
+        return "not the end of a chain of Adds of ScatterElements(zeros, rows, expert output, axis=0)"
+    if any(c.op_type == "Add" and _scatter_chain(g, c) is not None for c in g.consumers(node.outputs[0])):
+        return "the chain goes on: its last Add anchors it"
+    out = g.values[node.outputs[0]]
+    if out.rank != 2:
+        return f"{node.describe()} sums {out.type_str()}: expected rows [T, H]"
+    outputs = [t.inputs[2] for t in terms]
+    proven = prove_fused_moe(g, node, outputs[-1], k=None, expert_outputs=outputs)
+    if isinstance(proven, str):
+        return proven
+    m.found["proven"] = proven
+    m.extra_nodes = proven.region
+
+
 @fused_moe_by_value.rewrite
 @fused_moe_index_add.rewrite
+@fused_moe_scatter_sum.rewrite
 def _(m, b):
     p = m.found["proven"]
     g = m.graph
@@ -371,7 +447,7 @@ class MoE(Plugin):
 
     @property
     def rules(self):
-        return [fused_moe_hf, fused_moe_seed, fused_moe_by_value, fused_moe_index_add]
+        return [fused_moe_hf, fused_moe_seed, fused_moe_by_value, fused_moe_index_add, fused_moe_scatter_sum]
 
     @property
     def abstract_ops(self):

@@ -48,8 +48,9 @@ from rewrite.core.ir import Graph, Node
 from rewrite.plugins.moe.lowering import FusedMoE
 from rewrite.plugins.router.op import router_topk_reference
 
-#: the region may not be larger than this many nodes (grouped_mm with 128 experts is about 1,000)
-MAX_REGION_NODES = 4000
+#: the region may not be larger than this many nodes (grouped_mm with 128 experts is about 1,000; a loop over 256
+#: experts, one module each, as optimum exports DeepSeek-V3, about 7,000)
+MAX_REGION_NODES = 12000
 #: ops that compare, clamp or round: on float data they make thresholds random inputs may never reach (a
 #: clamped SwiGLU, capacity limits), so a region applying them to floats is refused, not checked
 _THRESHOLD_OPS = frozenset({"Clip", "Min", "Max", "Relu", "LeakyRelu", "ThresholdedRelu", "Less", "LessOrEqual",
@@ -152,7 +153,8 @@ def find_router(graph: Graph, nearest_first: list[Node]) -> Router | str:
 
 def _aliases(graph: Graph, value: str) -> list[str]:
     """``value`` and the values it is a same-shaped Reshape / Identity of (exporters flatten the hidden state
-    once for the router and once for the experts)."""
+    once for the router and once for the experts), then the [B, S, H] value the first is a Reshape of, when
+    there is one (TorchScript's exports read its shape for the output's zeros); the check feeds it as [1, T, H]."""
     out = [value]
     node = graph.producer_node(value)
     shape = graph.values[value].shape
@@ -160,6 +162,10 @@ def _aliases(graph: Graph, value: str) -> list[str]:
            and all(isinstance(d, int) or isinstance(d, str) for d in shape) and graph.values[node.inputs[0]].shape == shape):
         out.append(node.inputs[0])
         node = graph.producer_node(node.inputs[0])
+    if node is not None and node.op_type == "Reshape" and shape is not None and len(shape) == 2:
+        src = graph.values[node.inputs[0]].shape
+        if src is not None and len(src) == 3 and src[2] == shape[1]:
+            out.append(node.inputs[0])
     return out
 
 
@@ -285,24 +291,28 @@ def _clamp_limit(graph: Graph, region: list[Node], cut: list[str]) -> float | st
     return limits.pop() if limits else None
 
 
-def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int | None, seed: int = 0) -> Proven | str:
+def prove_fused_moe(graph: Graph, sum_node: Node, pairs: str, k: int | None, seed: int = 0,
+                    expert_outputs: list[str] | None = None) -> Proven | str:
     """Prove that ``sum_node`` (the per-token sum over the k selected experts) computes FusedMoE; see the
     module docstring. ``k`` None: a sum that does not show k (an index-add of the expert outputs into the
-    token rows) takes the router's, and only the logits cut is tried. Returns the :class:`Proven` reading, or
-    a one-line refusal (the logits cut's when both cuts fail and the router was found, else the routed cut's)."""
+    token rows) takes the router's, and only the logits cut is tried. ``expert_outputs``: for a sum of one
+    term per expert, each expert's weighted output in expert order; their weights may then be one 2-D MatMul
+    weight per projection and expert instead of stacks (:func:`expert_stacks`). Returns the :class:`Proven`
+    reading, or a one-line refusal (the logits cut's when both cuts fail and the router was found, else the
+    routed cut's)."""
     probe = upstream_nodes(graph, [pairs], set(graph.initializers) | set(graph.inputs), MAX_REGION_NODES, truncate=True)
     router = find_router(graph, probe)
     if k is None and isinstance(router, Router):
         k = router_k(graph, router)
         if k is None:
             return f"router {router.node.describe()} selects a number of experts that is not a constant"
-    first = router if isinstance(router, str) else _prove(graph, sum_node, k, router, seed)
+    first = router if isinstance(router, str) else _prove(graph, sum_node, k, router, seed, expert_outputs)
     if isinstance(first, Proven) or k is None:
         return first
     routed = find_routed(graph, probe, sum_node, k)
     if isinstance(routed, str):
         return first
-    second = _prove(graph, sum_node, k, routed, seed)
+    second = _prove(graph, sum_node, k, routed, seed, expert_outputs)
     if isinstance(second, Proven) or not isinstance(router, Router):
         return second
     return first if first.startswith("no FusedMoE reading") and not second.startswith("no FusedMoE reading") else second
@@ -316,7 +326,38 @@ def router_k(graph: Graph, router: Router) -> int | None:
     return int(k_const.reshape(-1)[0]) if k_const is not None and k_const.size == 1 else None
 
 
-def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: int) -> Proven | str:
+def expert_stacks(graph: Graph, expert_outputs: list[str], cut: list[str], H: int) -> tuple[np.ndarray, np.ndarray] | str:
+    """FusedMoE's stacks from experts written as one module each (TorchScript's export of transformers' loop over
+    the experts, as optimum writes Qwen3-MoE and DeepSeek-V3). For expert e, the e-th of ``expert_outputs``, the
+    MatMuls above its output (down to the ``cut``) with a constant 2-D float weight are its projections: two
+    [H, I] (gate: the one a Sigmoid reads, SiLU's; up: the other) and one [I, H] (down), as ``torch.nn.Linear``
+    exports its weight transposed. Returns (fc1 [E, 2I, H] float32, gate rows first; fc2 [E, H, I] float32) or a
+    one-line refusal; the numerical check decides whether the reading is right."""
+    fc1, fc2 = [], []
+    stop = set(cut) | set(graph.inputs)
+    for e, value in enumerate(expert_outputs):
+        nodes = upstream_nodes(graph, [value], stop, MAX_REGION_NODES) or []
+        # an expert may read the earlier experts' partial sum (for its shape): their nodes are theirs
+        stop |= {o for n in nodes for o in n.outputs if o}
+        mats = [(n, graph.const(n.inputs[1])) for n in nodes if n.op_type == "MatMul"]
+        mats = [(n, w) for n, w in mats if w is not None and w.ndim == 2 and w.dtype.kind == "f"]
+        gates = [(n, w) for n, w in mats if any(c.op_type == "Sigmoid" for c in graph.consumers(n.outputs[0]))]
+        ups = [(n, w) for n, w in mats if gates and n is not gates[0][0] and n.inputs[0] == gates[0][0].inputs[0]]
+        downs = [(n, w) for n, w in mats if (not gates or n is not gates[0][0]) and (not ups or n is not ups[0][0])]
+        if len(mats) != 3 or len(gates) != 1 or len(ups) != 1 or len(downs) != 1:
+            return (f"expert {e} (above '{value}'): {len(mats)} MatMuls with a constant 2-D weight, {len(gates)} of them "
+                    "feeding a Sigmoid; expected a gate (SiLU's Sigmoid reads it), an up reading the gate's input, a down")
+        gate, up, down = gates[0][1], ups[0][1], downs[0][1]
+        if gate.shape[0] != H or up.shape != gate.shape or down.shape != (gate.shape[1], H):
+            return (f"expert {e} (above '{value}'): gate {gate.shape}, up {up.shape}, down {down.shape}; expected "
+                    f"[H={H}, I], [H, I], [I, H]")
+        fc1.append(np.concatenate([gate.T, up.T], axis=0).astype(np.float32))
+        fc2.append(down.T.astype(np.float32))
+    return np.stack(fc1), np.stack(fc2)
+
+
+def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: int,
+           expert_outputs: list[str] | None = None) -> Proven | str:
     """The check of the module docstring for one cut: ``router`` (logits) or ``Routed`` (weights and ids)."""
     hidden, E = router.hidden, router.experts
     routed = isinstance(router, Routed)
@@ -363,6 +404,13 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     if len(biases) == 1 and sum(graph.const(i) is not None and graph.const(i).ndim == 2 and graph.const(i).shape[0] == E
                                 for n in region for i in n.inputs) >= 2:
         biases *= 2  # one initializer read as both biases (an exporter merges equal constants: zero biases)
+    if not weights and expert_outputs:  # one module per expert: their 2-D weights, stacked in expert order
+        if len(expert_outputs) != E:
+            return f"the sum adds {len(expert_outputs)} experts' outputs, the router scores E={E}"
+        stacks = expert_stacks(graph, expert_outputs, cut, H)
+        if isinstance(stacks, str):
+            return stacks
+        weights = list(stacks)
     if len(weights) != 2:
         return f"{len(weights)} stacked expert weights [E={E}, ., .] in the region (want gate/up and down)"
     if len(biases) > 2:
@@ -387,7 +435,7 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     for T, scale in sizes:
         feeds = make_feeds(extra, seq=T, seed=seed) if extra else {}
         x = (rng.standard_normal((T, H)) * scale).astype(dtype)
-        feeds.update({a: x for a in hidden_aliases if a in read})
+        feeds.update({a: x.reshape((1,) * (graph.values[a].rank - 2) + x.shape) for a in hidden_aliases if a in read})
         ldt = helper.tensor_dtype_to_np_dtype(lv.dtype)
         ids = None
         if routed:
