@@ -6,6 +6,7 @@ converted model must give identical greedy tokens and logits within 1e-4 relativ
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,7 +17,7 @@ from rewrite.backends.ort import OrtRunner
 from rewrite.core import onnx_io
 from rewrite.core.driver import run_plugin
 from rewrite.core.shapes import infer_shapes
-from rewrite.errors import PluginError
+from rewrite.errors import BackendError, PluginError
 from rewrite.generate import GenerationError, Generator
 from rewrite.pipeline import RewriteContext, apply
 from rewrite.plugins.kv_cache import KVCache, _mentions, scatter_model
@@ -144,6 +145,33 @@ def test_a_cache_trimmed_to_its_window_that_shares_the_past_dim_is_refused(tmp_p
 def test_symbol_mentions_are_whole_identifiers():
     assert _mentions("s70 + s81", "s81") and _mentions("Max(0, past - 15)", "past") and _mentions("s8", "s8")
     assert not _mentions("s70 + s81", "s8") and not _mentions("past_len", "past")
+
+
+OPTIMUM_QWEN3_MOE = Path(__file__).parent / "data" / "optimum_qwen3_moe_tiny.onnx"  # examples/optimum_export.py
+
+
+def test_optimum_export_becomes_static_and_stateful(tmp_path):
+    """optimum's (TorchScript) export of Qwen3-MoE: the new keys' sequence dims are unnamed (``unk__44``) and found
+    to be ``sequence_length`` by evaluation; its positions are ``Range(P, P + n)``, whose limit stays
+    ``seq_position + n`` while the key length ``P + len(positions)`` becomes ``max_seq``. On ONNX Runtime and as a
+    stateful IREE decode module (batch and token count fixed with --dim), 20 greedy tokens equal the original's,
+    logits within 1e-4 relative; a symbolic batch is refused by --stateful with the --dim to add."""
+    ref = Generator.reference(OPTIMUM_QWEN3_MOE).generate([11, 22, 33, 44, 55], 20)
+    m = apply(OPTIMUM_QWEN3_MOE, tmp_path / "ort", plugins="kv", backend="ort", options={"kv": {"max_seq": 32}})
+    assert {d["name"]: d["shape"] for d in m.inputs}["past_key_values.1.value"] == ["batch_size", 2, 32, 16]
+    opts = {"kv": {"max_seq": 32}, "stateful": True, "next_token": True}
+    m = apply(OPTIMUM_QWEN3_MOE, tmp_path / "iree", plugins="kv,topk,moe", backend="iree", options=opts,
+              dims={"batch_size": 1, "sequence_length": 1})
+    assert [s["shape"] for s in m.state] == [[4, 1, 2, 32, 16]]
+    for folder in ("ort", "iree"):
+        got = Generator(tmp_path / folder).generate([11, 22, 33, 44, 55], 20)
+        assert got.tokens == ref.tokens, folder
+        # each call's last position (the decode module takes the prompt one token per call)
+        assert max(float(np.abs(a[0, -1] - b[0, -1]).max() / np.abs(b[0, -1]).max())
+                   for a, b in zip(got.logits, ref.logits)) < 1e-4, folder
+    with pytest.raises(BackendError, match="--stateful: cache 'past_key_values.0.key' has the symbolic dim 'batch_size'.*"
+                                           "--dim batch_size=1"):
+        apply(OPTIMUM_QWEN3_MOE, tmp_path / "x", plugins="kv", backend="iree", options={"kv": {"max_seq": 32}, "stateful": True})
 
 
 def test_bad_options_fail_with_one_line(qwen2_moe_tiny):

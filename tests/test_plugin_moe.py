@@ -509,27 +509,31 @@ def test_region_that_computes_something_else_is_refused(tmp_path, qwen2_moe_tiny
     assert [r["reason"][:len(refusal)] for r in rep["refusals"]] == [refusal], rep["refusals"]
 
 
-OPTIMUM_QWEN3_MOE = Path(__file__).parent / "data" / "optimum_qwen3_moe_tiny.onnx"  # examples/optimum_export.py
+OPTIMUM = {f: Path(__file__).parent / "data" / f"optimum_{f}_tiny.onnx" for f in ("qwen3_moe", "gpt_oss")}  # examples/optimum_export.py
 
 
+@pytest.mark.parametrize("family, rule, removed", [
+    ("qwen3_moe", "fused-moe-scatter-sum", "ScatterElements"),  # a loop over the 8 experts, one module each
+    ("gpt_oss", "fused-moe-dense-sum", "ReduceSum"),            # all 8 experts on every token, summed over them
+])
 @pytest.mark.parametrize("backend", ["ort", "iree"])
-def test_optimum_export_loop_over_experts_fuses(tmp_path, backend):
-    """optimum's export of Qwen3-MoE (TorchScript; a loop over the 8 experts, one module each, summed by
-    ScatterElements into zeros and a chain of Adds): one fused-moe-scatter-sum per layer, the per-expert nodes
-    gone, 12 greedy tokens equal to ONNX Runtime on the original and logits within 1e-4 relative (fp32)."""
+def test_optimum_exports_fuse(tmp_path, backend, family, rule, removed):
+    """optimum's (TorchScript) exports: one match of ``rule`` per layer, the experts' nodes gone, 24 greedy tokens
+    (gpt-oss: past its 16-position window) equal to ONNX Runtime on the original and logits within 1e-4
+    relative (fp32)."""
     from rewrite.generate import Generator
 
-    before = onnx.load(OPTIMUM_QWEN3_MOE)
-    assert [n.op_type for n in before.graph.node].count("ScatterElements") == 2 * 8
-    man = apply(OPTIMUM_QWEN3_MOE, tmp_path / "out", plugins=["topk", "moe"], backend=backend)
+    before = [n.op_type for n in onnx.load(OPTIMUM[family]).graph.node]
+    assert before.count(removed) >= 2
+    man = apply(OPTIMUM[family], tmp_path / "out", plugins=["topk", "moe"], backend=backend)
     rep = _moe_report(man)
-    assert rep["fused-moe-scatter-sum"]["matches"] == 2
+    assert rep[rule]["matches"] == 2
     assert sum(r["matches"] for r in rep.values()) == 2
     if backend == "ort":
         ops = [n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx").graph.node]
-        assert ops.count("MoE") == 2 and "ScatterElements" not in ops and "NonZero" not in ops
-    got = Generator(tmp_path / "out").generate([11, 22, 33, 44, 55], 12)
-    ref = Generator.reference(OPTIMUM_QWEN3_MOE).generate([11, 22, 33, 44, 55], 12)
+        assert ops.count("MoE") == 2 and removed not in ops and "NonZero" not in ops
+    got = Generator(tmp_path / "out").generate([11, 22, 33, 44, 55], 24)
+    ref = Generator.reference(OPTIMUM[family]).generate([11, 22, 33, 44, 55], 24)
     assert got.tokens == ref.tokens
     assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4
 
@@ -538,7 +542,7 @@ def test_optimum_loop_whose_order_is_not_the_experts_is_refused(tmp_path):
     """Layer 1's experts 3 and 4 swap the rows they take (the expert index each one's mask Gather reads), so the
     chain's order is no longer the expert ids' order: the stacked weights compute something else and that layer
     is refused with the closest reading's error; layer 0 still fuses."""
-    model = onnx.load(OPTIMUM_QWEN3_MOE)
+    model = onnx.load(OPTIMUM["qwen3_moe"])
     producer = {o: n for n in model.graph.node for o in n.output}
     # per expert, Gather(Transpose(OneHot(ids)), e): the rows of the tokens routed to expert e
     masks = [n for n in model.graph.node if n.op_type == "Gather" and n.name.startswith("/model/layers.1/mlp/")
@@ -552,3 +556,33 @@ def test_optimum_loop_whose_order_is_not_the_experts_is_refused(tmp_path):
     assert rep["matches"] == 1
     reasons = [r["reason"] for r in rep["refusals"] if r["reason"].startswith("no FusedMoE reading")]
     assert len(reasons) == 1, rep["refusals"]
+
+
+def test_optimum_dense_experts_computing_something_else_are_refused(tmp_path):
+    """optimum's gpt-oss with layer 1's expert activation ``gate * sigmoid(alpha * gate)`` changed to ``gate *
+    tanh(alpha * gate)``: no FusedMoE reading reproduces that layer, which is refused with the closest reading's
+    error; layer 0 still fuses."""
+    model = onnx.load(OPTIMUM["gpt_oss"])
+    acts = [n for n in model.graph.node if n.op_type == "Sigmoid" and n.name.startswith("/model/layers.1/mlp/experts/")]
+    assert len(acts) == 1
+    acts[0].op_type = "Tanh"
+    onnx.save(model, tmp_path / "altered.onnx")
+    man = apply(tmp_path / "altered.onnx", tmp_path / "out", plugins=["topk", "moe"], backend="ort")
+    rep = _moe_report(man)["fused-moe-dense-sum"]
+    assert rep["matches"] == 1
+    assert [r["reason"][:len("no FusedMoE reading")] for r in rep["refusals"]] == ["no FusedMoE reading"], rep["refusals"]
+
+
+def test_optimum_export_that_left_experts_out_is_refused(tmp_path):
+    """optimum's DeepSeek-V3 export traces transformers' ``if`` per expert, keeping only the experts its random
+    dummy input routed to (7 of 8 in layer 0, 4 in layer 1 of this file): both layers are refused with the
+    reason, and the graph keeps its loops."""
+    path = Path(__file__).parent / "data" / "optimum_deepseek_v3_tiny.onnx"
+    man = apply(path, tmp_path / "out", plugins=["topk", "moe"], backend="ort")
+    rep = _moe_report(man)["fused-moe-scatter-sum"]
+    assert rep["matches"] == 0
+    reasons = sorted(r["reason"].split(":")[0] for r in rep["refusals"] if r["reason"].startswith("the loop sums"))
+    assert reasons == ["the loop sums 4 experts' outputs, the experts' one-hot masks have 8",
+                       "the loop sums 7 experts' outputs, the experts' one-hot masks have 8"]
+    ops = [n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx").graph.node]
+    assert ops.count("ScatterElements") == 7 + 4 + 2  # the experts' loops, and the router's two scatters

@@ -423,6 +423,12 @@ def make_module_stateful(mod: MlirModule, function: str, manifest, graph, ctx: P
             raise BackendError(f"--stateful: the KV cache '{growing[0]}' grows by a Concat each call; a static, unchanged "
                                f"type is needed: add --max-seq N (the kv plugin's static cache)")
         raise BackendError(f"--stateful: no static KV cache (past input written into a present output) in the model (inputs: {', '.join(ins)})")
+    shapes = {d["name"]: d.get("shape") for d in manifest.inputs}
+    for past, _ in pairs:  # a symbolic batch dim (optimum's exports): a global needs a static type
+        dim = next((d for d in shapes.get(past) or () if isinstance(d, str)), None)
+        if dim is not None:
+            raise BackendError(f"--stateful: cache '{past}' has the symbolic dim '{dim}' (shape {shapes[past]}); its state "
+                               f"needs a static type: fix it with --dim {dim}=N (one sequence per call: --dim {dim}=1)")
     dtype = {d["name"]: d["dtype"] for d in manifest.inputs}
     axes = {n.attr("axis") % len(graph.values[n.inputs[0]].shape) for n in graph.nodes.values()
             if n.op_type == "KVCacheUpdate" and graph.values[n.inputs[0]].shape is not None}  # as the op reads it

@@ -215,6 +215,17 @@ class SymbolicEvaluator:
         start, limit, delta = (self.vector(i) for i in n.inputs)
         if start == [0] and delta == [1] and limit is not None and len(limit) == 1 and limit[0] not in (_BOOL_T, _BOOL_F):
             return [limit[0]]  # ONNX Range: max(ceil((limit - start) / delta), 0) elements; a size is >= 0
+        if delta == [1] and start is not None and len(start) == 1 and isinstance(start[0], Sym):
+            # Range(p, p + n): n elements (a KV cache's positions: p the past length, n the new tokens)
+            add = self.graph.producer_node(n.inputs[1])
+            while add is not None and add.op_type == "Cast":
+                add = self.graph.producer_node(add.inputs[0])
+            if add is not None and add.op_type == "Add":
+                a, b = (self.vector(i) for i in add.inputs)
+                if a == start and b is not None and len(b) == 1 and b[0] not in (_BOOL_T, _BOOL_F):
+                    return [b[0]]
+                if b == start and a is not None and len(a) == 1 and a[0] not in (_BOOL_T, _BOOL_F):
+                    return [a[0]]
         return None
 
     def _s_elementwise(self, n: Node) -> list[SymDim] | None:

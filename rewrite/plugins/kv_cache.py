@@ -186,7 +186,8 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
         raise RewriteError(f"--max-seq {max_seq}: must be positive")
     pasts = [n.inputs[0] for n in concats]
     past_sym = {p: graph.values[p].shape[2] for p in pasts}
-    n_syms = {graph.values[n.inputs[1]].shape[2] for n in concats}
+    ev = SymbolicEvaluator(graph)
+    n_syms = {_new_length(graph, ev, n.inputs[1]) for n in concats}
     # the new length may be fixed to one token (``--dim <seq>=1``: a module for decode steps only)
     if len(n_syms) != 1 or not all(isinstance(d, str) or d == 1 for d in n_syms):
         raise RewriteError(f"static cache: caches {', '.join(pasts)} do not grow by one new length (symbolic, or 1): "
@@ -213,7 +214,6 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     pos = POSITION_INPUT
     if pos in graph.values:
         raise RewriteError(f"static cache: the model already has a value named '{pos}'")
-    ev = SymbolicEvaluator(graph)
     # one past length per symbol; several when the export gives some layers their own (gpt-oss's sliding-window
     # layers): every cache grows by the same new length each call, so they all become one write position
     syms = {d: Sym(name=d) for d in past_sym.values()}
@@ -226,7 +226,7 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     replaced: list[Node] = []
     # key length P + n -> max_seq (first: it is recognized by evaluating to P + n)
     for n in graph.nodes_by_op("Add"):
-        if [ev.vector(i) for i in n.inputs] in key_lengths:
+        if [ev.vector(i) for i in n.inputs] in key_lengths and not _limits_positions(graph, ev, n, syms.values()):
             shape = graph.values[n.outputs[0]].shape or ()
             graph.replace_all_uses(n.outputs[0], b.const(np.full(shape, max_seq, np.int64), "max_seq"))
             replaced.append(n)
@@ -277,6 +277,33 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     infer_shapes(graph)
     report.notes.append(f"static cache of {max_seq} positions: {len(concats)} caches; new input '{pos}' int64 [1]; attention_mask [.., {max_seq}]")
     return len(concats)
+
+
+def _limits_positions(graph: Graph, ev: SymbolicEvaluator, add: Node, pasts) -> bool:
+    """``add`` (``P + n``) is, through Casts, the limit of ``Range(P, P + n)``: this call's positions (optimum's
+    cache_position), which stay ``seq_position + n``, not the key length."""
+    limits, todo = set(), [add.outputs[0]]
+    while todo:  # the sum and its Casts
+        v = todo.pop()
+        limits.add(v)
+        todo += [c.outputs[0] for c in graph.consumers(v) if c.op_type == "Cast"]
+    starts = [[P] for P in pasts]
+    return any(c.op_type == "Range" and c.inputs[1] == v and ev.vector(c.inputs[0]) in starts
+               for v in limits for c in graph.consumers(v))
+
+
+def _new_length(graph: Graph, ev: SymbolicEvaluator, new: str) -> int | str | None:
+    """The sequence length (axis 2) of the rows ``new`` a growing cache appends: the symbol or number it evaluates
+    to (TorchScript's exports leave such dims unnamed, ``unk__44``, where the evaluator finds the input's
+    ``sequence_length``), else the declared dim."""
+    shape = ev.shape(new)
+    d = shape[2] if shape is not None and len(shape) > 2 else None
+    if isinstance(d, int):
+        return d
+    if isinstance(d, Sym) and d.name is not None:
+        return d.name
+    declared = graph.values[new].shape
+    return declared[2] if declared is not None and len(declared) > 2 else None
 
 
 def _mentions(dim: str, symbol: str) -> bool:

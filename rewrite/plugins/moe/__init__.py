@@ -11,8 +11,11 @@ Rules (patterns in :mod:`rewrite.plugins.moe.patterns`, the op and its lowerings
 * ``fused-moe-index-add`` (tried last): the same check for a region whose weighted expert outputs are added
   into their tokens' rows by ``ScatterND(zeros, ids, ., reduction="add")`` (JetMoE's ``index_add``);
 * ``fused-moe-scatter-sum`` (tried last): the same check for a loop over the experts, one module each, as
-  TorchScript exports it (optimum's Qwen3-MoE and DeepSeek-V3): per expert ``ScatterElements(zeros, rows,
+  TorchScript exports it (optimum's Qwen3-MoE): per expert ``ScatterElements(zeros, rows,
   out_e, axis=0)``, summed by a chain of Adds; the experts' 2-D weights are stacked in the chain's order;
+* ``fused-moe-dense-sum`` (tried last): the same check for every expert run on every token, weighted by the
+  routing scattered densely into [T, E] (zeros for the experts not selected) and summed over the experts,
+  ``ReduceSum(., axes=[0])`` (optimum's gpt-oss): exact as FusedMoE, which runs the k selected experts only;
 * ``fused-moe-shared`` (after them; for IREE cuda, or any backend with the option ``shared=true``): the sum with a
   sigmoid-gated shared expert (Qwen1.5-MoE) becomes FusedMoE's ``shared`` and ``shared_gate`` inputs
   (:mod:`rewrite.plugins.moe.shared`);
@@ -30,6 +33,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from rewrite.core.abstract_ops import DOMAIN
+from rewrite.core.analysis import upstream_nodes
 from rewrite.core.ir import dtype_name
 from rewrite.core.matcher import Match, Matcher
 from rewrite.core.pattern import AttrVar, Const, Or, Var
@@ -42,7 +46,7 @@ from rewrite.plugins.moe.lowering import FusedMoE, _ort_block
 from rewrite.plugins.moe.patterns import hf_experts, seed_experts
 from rewrite.plugins.moe.residual import fuse_residual
 from rewrite.plugins.moe.shared import fuse_shared
-from rewrite.plugins.moe.semantic import prove_fused_moe
+from rewrite.plugins.moe.semantic import aliases, prove_fused_moe
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 
@@ -304,6 +308,18 @@ def _scatter_chain(graph, add) -> list | None:
     return terms[::-1] if len(terms) >= 2 else None
 
 
+def _one_hot(graph, term) -> tuple[int | None, int | None]:
+    """(k, E) when the experts' masks are ``OneHot`` of the [T, k] expert ids (transformers' loop over the
+    experts): the static last dim of the nearest OneHot's indices above ``term`` and its constant depth; None
+    for what is not there (the router's k is taken)."""
+    for n in upstream_nodes(graph, [term.inputs[1]], set(graph.initializers) | set(graph.inputs), 200, truncate=True):
+        if n.op_type == "OneHot":
+            shape, depth = graph.values[n.inputs[0]].shape, graph.const(n.inputs[1])
+            k = shape[-1] if shape and isinstance(shape[-1], int) else None
+            return k, (int(depth.reshape(-1)[0]) if depth is not None and depth.size == 1 else None)
+    return None, None
+
+
 @fused_moe_scatter_sum.check
 def _(m):
     g, node = m.graph, m.node("sum")
@@ -316,9 +332,41 @@ def _(m):
     if out.rank != 2:
         return f"{node.describe()} sums {out.type_str()}: expected rows [T, H]"
     outputs = [t.inputs[2] for t in terms]
-    proven = prove_fused_moe(g, node, outputs[-1], k=None, expert_outputs=outputs)
+    k, experts = _one_hot(g, terms[0])
+    if experts is not None and experts != len(terms):
+        return (f"the loop sums {len(terms)} experts' outputs, the experts' one-hot masks have {experts}: the "
+                "export left experts out (a traced `if` per expert keeps only those its sample input routed to)")
+    proven = prove_fused_moe(g, node, outputs[-1], k=k, expert_outputs=outputs)
     if isinstance(proven, str):
         return proven
+    m.found["proven"] = proven
+    m.extra_nodes = proven.region
+
+
+@rule("fused-moe-dense-sum", benefit=1)
+def fused_moe_dense_sum(op, pairs):
+    """Every expert on every token, ``[E, ..., H]``, weighted by the dense routing (zero where an expert is not
+    selected) and summed over the experts (optimum's gpt-oss); proved equal to FusedMoE on random inputs
+    (rewrite.plugins.moe.semantic), k the router's."""
+    return op.ReduceSum(pairs, Const("sum_axes", value=[0]), keepdims=0, _name="sum")
+
+
+@fused_moe_dense_sum.check
+def _(m):
+    g, node = m.graph, m.node("sum")
+    pv, out = g.values[m["pairs"]], g.values[node.outputs[0]]
+    if pv.shape is None or len(pv.shape) not in (3, 4) or not isinstance(pv.shape[0], int) or pv.shape[0] < 2:
+        return f"{node.describe()} sums {pv.type_str()} over axis 0: expected [E, T, H] or [E, B, S, H]"
+    proven = prove_fused_moe(g, node, m["pairs"], k=None)
+    if isinstance(proven, str):
+        return proven
+    if pv.shape[0] != int(g.values[proven.logits].shape[1] if proven.mode != "routed" else pv.shape[0]):
+        return f"{node.describe()} sums {pv.shape[0]} experts, the router scores {g.values[proven.logits].shape[1]}"
+    if out.rank == 3:  # [B, S, H]: the fused [T, H] takes the shape of the hidden state's [B, S, H] source
+        src = [a for a in aliases(g, proven.hidden) if g.values[a].rank == 3]
+        if not src:
+            return f"{node.describe()} gives {out.type_str()}, and hidden '{proven.hidden}' has no [B, S, H] source"
+        m.found["shape_of"] = src[0]
     m.found["proven"] = proven
     m.extra_nodes = proven.region
 
@@ -326,6 +374,7 @@ def _(m):
 @fused_moe_by_value.rewrite
 @fused_moe_index_add.rewrite
 @fused_moe_scatter_sum.rewrite
+@fused_moe_dense_sum.rewrite
 def _(m, b):
     p = m.found["proven"]
     g = m.graph
@@ -347,9 +396,12 @@ def _(m, b):
         b1 = p.b1 if p.b1 is not None else np.zeros((E, I2), np.float32)
         b2 = p.b2 if p.b2 is not None else np.zeros((E, H), np.float32)
         ins += [""] * (9 - len(ins)) + [b.const(b1.astype(dtype), "gate_up_bias"), b.const(b2.astype(dtype), "down_bias")]
+    rows = hidden.shape if "shape_of" in m.found else out.shape
     fused = b.op("FusedMoE", ins, domain=DOMAIN, k=p.k, normalize=p.normalize, mode=p.mode, activation="swiglu",
                  activation_alpha=p.alpha, activation_beta=p.beta, swiglu_limit=p.limit, block_size=0,
-                 dtype=hidden.dtype, shape=out.shape)
+                 dtype=hidden.dtype, shape=rows)
+    if "shape_of" in m.found:  # the sum's [B, S, H]
+        fused = b.op("Reshape", [fused, b.op("Shape", [m.found["shape_of"]])], dtype=hidden.dtype, shape=out.shape)
     if out.dtype == hidden.dtype:
         return fused
     # fp16 exports sum the k expert outputs in float32: FusedMoE gives the hidden dtype, cast to the sum's
@@ -447,7 +499,8 @@ class MoE(Plugin):
 
     @property
     def rules(self):
-        return [fused_moe_hf, fused_moe_seed, fused_moe_by_value, fused_moe_index_add, fused_moe_scatter_sum]
+        return [fused_moe_hf, fused_moe_seed, fused_moe_by_value, fused_moe_index_add, fused_moe_scatter_sum,
+                fused_moe_dense_sum]
 
     @property
     def abstract_ops(self):

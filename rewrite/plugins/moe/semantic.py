@@ -48,8 +48,8 @@ from rewrite.core.ir import Graph, Node
 from rewrite.plugins.moe.lowering import FusedMoE
 from rewrite.plugins.router.op import router_topk_reference
 
-#: the region may not be larger than this many nodes (grouped_mm with 128 experts is about 1,000; a loop over 256
-#: experts, one module each, as optimum exports DeepSeek-V3, about 7,000)
+#: the region may not be larger than this many nodes (grouped_mm with 128 experts is about 1,000; optimum's loop
+#: over Qwen3-30B-A3B's 128 experts, one module each, about 40 nodes an expert)
 MAX_REGION_NODES = 12000
 #: ops that compare, clamp or round: on float data they make thresholds random inputs may never reach (a
 #: clamped SwiGLU, capacity limits), so a region applying them to floats is refused, not checked
@@ -151,7 +151,7 @@ def find_router(graph: Graph, nearest_first: list[Node]) -> Router | str:
     return "no router (TopK over Softmax(MatMul(hidden, W)) or MatMul(hidden, W)) above the sum"
 
 
-def _aliases(graph: Graph, value: str) -> list[str]:
+def aliases(graph: Graph, value: str) -> list[str]:
     """``value`` and the values it is a same-shaped Reshape / Identity of (exporters flatten the hidden state
     once for the router and once for the experts), then the [B, S, H] value the first is a Reshape of, when
     there is one (TorchScript's exports read its shape for the output's zeros); the check feeds it as [1, T, H]."""
@@ -328,7 +328,7 @@ def router_k(graph: Graph, router: Router) -> int | None:
 
 def expert_stacks(graph: Graph, expert_outputs: list[str], cut: list[str], H: int) -> tuple[np.ndarray, np.ndarray] | str:
     """FusedMoE's stacks from experts written as one module each (TorchScript's export of transformers' loop over
-    the experts, as optimum writes Qwen3-MoE and DeepSeek-V3). For expert e, the e-th of ``expert_outputs``, the
+    the experts, as optimum writes Qwen3-MoE). For expert e, the e-th of ``expert_outputs``, the
     MatMuls above its output (down to the ``cut``) with a constant 2-D float weight are its projections: two
     [H, I] (gate: the one a Sigmoid reads, SiLU's; up: the other) and one [I, H] (down), as ``torch.nn.Linear``
     exports its weight transposed. Returns (fc1 [E, 2I, H] float32, gate rows first; fc2 [E, H, I] float32) or a
@@ -369,7 +369,8 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
         logits = router.logits
         routings = ((router.node.attr("mode", "softmax_topk"), int(router.node.attr("normalize", 0))),)
         selected = router_k(graph, router)
-        cut = [o for o in router.node.outputs if o]
+        # the logits too: a region may read their shape (optimum's gpt-oss scatters the routing into zeros_like(logits))
+        cut = [o for o in router.node.outputs if o] + [logits]
     else:
         logits = router.logits
         routings = _ROUTINGS
@@ -383,7 +384,7 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     if not 1 <= k <= min(MAX_K, E):
         return f"k={k} outside 1..min({MAX_K}, E={E})"
     out = sum_node.outputs[0]
-    hidden_aliases = _aliases(graph, hidden)
+    hidden_aliases = aliases(graph, hidden)
     cut = hidden_aliases + cut
     region = upstream_nodes(graph, list(sum_node.inputs), set(cut) | set(graph.initializers) | set(graph.inputs),
                        MAX_REGION_NODES)
@@ -399,8 +400,9 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
     H = hv.shape[1]
     names = dict.fromkeys(i for n in region for i in n.inputs if i in graph.initializers)
     consts = [c for c in (graph.const(i) for i in names) if c is not None and c.shape[:1] == (E,) and c.dtype.kind == "f"]
-    weights = [w for w in consts if w.ndim == 3]
-    biases = [b for b in consts if b.ndim == 2]
+    weights = [w for w in consts if w.ndim == 3 and w.shape[1] != 1]
+    # a bias broadcast over the tokens may be stored [E, 1, N] (TorchScript folds ``bias[..., None, :]``)
+    biases = [b for b in consts if b.ndim == 2] + [b[:, 0] for b in consts if b.ndim == 3 and b.shape[1] == 1]
     if len(biases) == 1 and sum(graph.const(i) is not None and graph.const(i).ndim == 2 and graph.const(i).shape[0] == E
                                 for n in region for i in n.inputs) >= 2:
         biases *= 2  # one initializer read as both biases (an exporter merges equal constants: zero biases)
@@ -450,6 +452,8 @@ def _prove(graph: Graph, sum_node: Node, k: int, router: Router | Routed, seed: 
             wdt = helper.tensor_dtype_to_np_dtype(graph.values[router.node.outputs[0]].dtype)
             w, i = router_topk_reference(z, k, normalize, mode, wdt)
             feeds.update({o: v for o, v in zip(router.node.outputs, (w, i)) if o in read})
+            if logits in read:
+                feeds[logits] = z
         elif not routed:
             feeds[logits] = z
         try:
