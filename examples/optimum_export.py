@@ -6,10 +6,10 @@ own patches of the MoE blocks, unlike transformers' own exporter:
 * ``qwen3_moe``: a loop over every expert, one module each (NonZero of the expert's mask, the expert's three
   MatMuls, ``ScatterElements`` of its rows into zeros, a chain of Adds);
 * ``gpt_oss``: every expert on every token (batched MatMuls over the stacked weights), weighted by the routing
-  scattered into zeros [T, E], summed over the experts.
-
+  scattered into zeros [T, E], summed over the experts;
 * ``deepseek_v3``: a loop like Qwen3-MoE's that keeps only the experts the dummy input routes to (a traced ``if``
   per expert; optimum's own validation reports the difference): not an MoE over all experts, which ``moe`` refuses.
+
 Run in an environment of its own (the project's needs transformers 5)::
 
     python -m venv /tmp/ov && . /tmp/ov/bin/activate

@@ -586,3 +586,31 @@ def test_optimum_export_that_left_experts_out_is_refused(tmp_path):
                        "the loop sums 7 experts' outputs, the experts' one-hot masks have 8"]
     ops = [n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx").graph.node]
     assert ops.count("ScatterElements") == 7 + 4 + 2  # the experts' loops, and the router's two scatters
+
+
+@pytest.mark.parametrize("start", ["zeros", "two terms"])
+def test_scatter_chain_reads_the_experts_in_order(tmp_path, start):
+    """The chain of Adds of ScatterElements(zeros, rows, out_e, axis=0) gives its terms first expert first, whether
+    it starts from zeros (TorchScript's index_add_) or with an Add of the first two terms; an Add of two other
+    values is no chain."""
+    from rewrite.core import onnx_io
+    from rewrite.plugins.moe import _scatter_chain
+
+    f = TensorProto.FLOAT
+    zero = helper.make_tensor("v", f, [1], [0.0])
+    nodes = [helper.make_node("ConstantOfShape", ["shp"], [f"z{i}"], value=zero) for i in range(4)]
+    nodes += [helper.make_node("ScatterElements", [f"z{i}", "idx", f"u{i}"], [f"s{i}"], axis=0) for i in range(3)]
+    if start == "zeros":
+        nodes += [helper.make_node("Add", ["z3", "s0"], ["a0"]), helper.make_node("Add", ["a0", "s1"], ["a1"])]
+    else:
+        nodes += [helper.make_node("Add", ["s0", "s1"], ["a1"])]
+    nodes += [helper.make_node("Add", ["a1", "s2"], ["a2"]), helper.make_node("Add", ["u0", "u1"], ["other"])]
+    inputs = [helper.make_tensor_value_info(f"u{i}", f, [2, 4]) for i in range(3)]
+    inputs.append(helper.make_tensor_value_info("idx", TensorProto.INT64, [2, 4]))
+    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("a2", "other")]
+    graph = helper.make_graph(nodes, "chain", inputs, outputs, [helper.make_tensor("shp", TensorProto.INT64, [2], [3, 4])])
+    onnx.save(helper.make_model(graph), tmp_path / "chain.onnx")
+    g = onnx_io.load(tmp_path / "chain.onnx")
+    adds = {n.outputs[0]: n for n in g.nodes_by_op("Add")}
+    assert [t.outputs[0] for t in _scatter_chain(g, adds["a2"])] == ["s0", "s1", "s2"]
+    assert _scatter_chain(g, adds["other"]) is None

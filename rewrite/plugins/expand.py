@@ -222,10 +222,10 @@ class SymbolicEvaluator:
                 add = self.graph.producer_node(add.inputs[0])
             if add is not None and add.op_type == "Add":
                 a, b = (self.vector(i) for i in add.inputs)
-                if a == start and b is not None and len(b) == 1 and b[0] not in (_BOOL_T, _BOOL_F):
-                    return [b[0]]
-                if b == start and a is not None and len(a) == 1 and a[0] not in (_BOOL_T, _BOOL_F):
-                    return [a[0]]
+                for p, n_ in ((a, b), (b, a)):
+                    if p == start and n_ is not None and len(n_) == 1 and (isinstance(n_[0], Sym) or
+                                                                            isinstance(n_[0], int) and n_[0] >= 0):
+                        return [n_[0]]
         return None
 
     def _s_elementwise(self, n: Node) -> list[SymDim] | None:

@@ -176,7 +176,9 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
 
     Raises:
         RewriteError: the past length is read in a way this conversion does not rewrite (the graph would
-            silently compute with ``max_seq`` as the past length), or ``max_seq`` is not positive.
+            silently compute with ``max_seq`` as the past length), or ``max_seq`` is not positive; the caches do
+            not grow by one new length, a past has a fixed length, another input has a dim of a past length
+            (a cache trimmed to a window), or one ``P + n`` is both the positions' limit and read otherwise.
     """
     concats = growing_caches(graph)
     rep = report.rule("static-cache")
@@ -226,7 +228,8 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     replaced: list[Node] = []
     # key length P + n -> max_seq (first: it is recognized by evaluating to P + n)
     for n in graph.nodes_by_op("Add"):
-        if [ev.vector(i) for i in n.inputs] in key_lengths and not _limits_positions(graph, ev, n, syms.values()):
+        vecs = [ev.vector(i) for i in n.inputs]
+        if vecs in key_lengths and not _limits_positions(graph, ev, n, next(v[0] for v in vecs if v[0] in syms.values())):
             shape = graph.values[n.outputs[0]].shape or ()
             graph.replace_all_uses(n.outputs[0], b.const(np.full(shape, max_seq, np.int64), "max_seq"))
             replaced.append(n)
@@ -279,17 +282,28 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     return len(concats)
 
 
-def _limits_positions(graph: Graph, ev: SymbolicEvaluator, add: Node, pasts) -> bool:
-    """``add`` (``P + n``) is, through Casts, the limit of ``Range(P, P + n)``: this call's positions (optimum's
-    cache_position), which stay ``seq_position + n``, not the key length."""
-    limits, todo = set(), [add.outputs[0]]
+def _limits_positions(graph: Graph, ev: SymbolicEvaluator, add: Node, past: Sym) -> bool:
+    """``add`` (``P + n``, ``P`` = ``past``) is, through Casts, the limit of ``Range(P, P + n)``: this call's
+    positions (optimum's cache_position), which stay ``seq_position + n``, not the key length.
+
+    Raises:
+        RewriteError: the same sum is also read otherwise (a key length too): one value cannot be both.
+    """
+    limits, todo, others = set(), [add.outputs[0]], []
     while todo:  # the sum and its Casts
         v = todo.pop()
         limits.add(v)
-        todo += [c.outputs[0] for c in graph.consumers(v) if c.op_type == "Cast"]
-    starts = [[P] for P in pasts]
-    return any(c.op_type == "Range" and c.inputs[1] == v and ev.vector(c.inputs[0]) in starts
-               for v in limits for c in graph.consumers(v))
+        for c in graph.consumers(v):
+            if c.op_type == "Cast":
+                todo.append(c.outputs[0])
+            elif not (c.op_type == "Range" and c.inputs[1] == v and ev.vector(c.inputs[0]) == [past]):
+                others.append(c)
+    ranges = [c for v in limits for c in graph.consumers(v) if c.op_type == "Range" and c.inputs[1] == v
+              and ev.vector(c.inputs[0]) == [past]]
+    if ranges and others:
+        raise RewriteError(f"static cache: {add.describe()} (past length + new length) limits the positions "
+                           f"{ranges[0].describe()} and is read by {others[0].describe()} too: not converted")
+    return bool(ranges)
 
 
 def _new_length(graph: Graph, ev: SymbolicEvaluator, new: str) -> int | str | None:

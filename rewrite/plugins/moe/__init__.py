@@ -15,7 +15,9 @@ Rules (patterns in :mod:`rewrite.plugins.moe.patterns`, the op and its lowerings
   out_e, axis=0)``, summed by a chain of Adds; the experts' 2-D weights are stacked in the chain's order;
 * ``fused-moe-dense-sum`` (tried last): the same check for every expert run on every token, weighted by the
   routing scattered densely into [T, E] (zeros for the experts not selected) and summed over the experts,
-  ``ReduceSum(., axes=[0])`` (optimum's gpt-oss): exact as FusedMoE, which runs the k selected experts only;
+  ``ReduceSum(., axes=[0])`` (optimum's gpt-oss): equal to FusedMoE within the check's tolerance (FusedMoE runs
+  the k selected experts only, so an unselected expert's inf or NaN, which the original multiplies by zero, is
+  not computed);
 * ``fused-moe-shared`` (after them; for IREE cuda, or any backend with the option ``shared=true``): the sum with a
   sigmoid-gated shared expert (Qwen1.5-MoE) becomes FusedMoE's ``shared`` and ``shared_gate`` inputs
   (:mod:`rewrite.plugins.moe.shared`);
@@ -256,11 +258,11 @@ def _(m):
 
 
 @rule("fused-moe-scatter-sum", benefit=1)
-def fused_moe_scatter_sum(op, acc, term):
+def fused_moe_scatter_sum(op, acc, zeros, rows, out_e):
     """A loop over the experts as TorchScript exports ``index_add_`` (optimum): ``acc + ScatterElements(zeros,
     rows, out_e, axis=0)`` per expert, the last Add of the chain anchoring it; proved equal to FusedMoE on random
     inputs (rewrite.plugins.moe.semantic) with the experts' 2-D weights stacked in the chain's order."""
-    return op.Add(acc, term, _name="sum")
+    return op.Add(acc, op.ScatterElements(zeros, rows, out_e, _name="term"), _name="sum")
 
 
 def _scatter_term(graph, value: str):
@@ -288,10 +290,10 @@ def _scatter_chain(graph, add) -> list | None:
     while True:
         a, b = add.inputs
         ta, tb = _scatter_term(graph, a), _scatter_term(graph, b)
-        if (ta is None) == (tb is None):
-            if ta is None or terms:
-                return None
-            terms += [tb, ta]  # the first Add of two terms
+        if ta is None and tb is None:
+            return None
+        if ta is not None and tb is not None:  # the first Add: the first two experts' terms
+            terms += [tb, ta]
             break
         acc, term = (a, tb) if tb is not None else (b, ta)
         terms.append(term)
@@ -327,7 +329,7 @@ def _(m):
     if terms is None:
         return "not the end of a chain of Adds of ScatterElements(zeros, rows, expert output, axis=0)"
     if any(c.op_type == "Add" and _scatter_chain(g, c) is not None for c in g.consumers(node.outputs[0])):
-        return "the chain goes on: its last Add anchors it"
+        return "inside a chain of expert terms (its last Add anchors it)"
     out = g.values[node.outputs[0]]
     if out.rank != 2:
         return f"{node.describe()} sums {out.type_str()}: expected rows [T, H]"
@@ -360,8 +362,8 @@ def _(m):
     proven = prove_fused_moe(g, node, m["pairs"], k=None)
     if isinstance(proven, str):
         return proven
-    if pv.shape[0] != int(g.values[proven.logits].shape[1] if proven.mode != "routed" else pv.shape[0]):
-        return f"{node.describe()} sums {pv.shape[0]} experts, the router scores {g.values[proven.logits].shape[1]}"
+    if pv.shape[0] != proven.fc1.shape[0]:
+        return f"{node.describe()} sums {pv.shape[0]} experts' outputs, the stacked weights hold {proven.fc1.shape[0]}"
     if out.rank == 3:  # [B, S, H]: the fused [T, H] takes the shape of the hidden state's [B, S, H] source
         src = [a for a in aliases(g, proven.hidden) if g.values[a].rank == 3]
         if not src:

@@ -15,7 +15,9 @@ rows, ``ScatterND(zeros [T, H], token ids, pairs, reduction="add")``) and
    router's MatMul/Gemm reads above the ids. The router then stays in the graph as it is;
 2. collects the region: every node between the cut (``hidden``, and ``logits`` or the weights and ids) and
    the sum (it may read graph inputs only through ``Shape``), its stacked expert weights (rank-3
-   initializers with E as the first dim) and expert biases (rank 2, E first);
+   initializers with E as the first dim; for a sum of one term per expert, optimum's loop over the experts,
+   each expert's three 2-D MatMul weights, :func:`expert_stacks`) and expert biases (rank 2, or [E, 1, N],
+   E first);
 3. refuses regions that compare, clamp or round float data (thresholds random inputs may never reach;
    rounding floats cast from integers, an exporter's integer division, is exact and allowed), except a SwiGLU
    clamp: ``Clip``/``Min``/``Max`` with constant bounds of one magnitude ``limit``, accepted
@@ -153,8 +155,9 @@ def find_router(graph: Graph, nearest_first: list[Node]) -> Router | str:
 
 def aliases(graph: Graph, value: str) -> list[str]:
     """``value`` and the values it is a same-shaped Reshape / Identity of (exporters flatten the hidden state
-    once for the router and once for the experts), then the [B, S, H] value the first is a Reshape of, when
-    there is one (TorchScript's exports read its shape for the output's zeros); the check feeds it as [1, T, H]."""
+    once for the router and once for the experts), then the [B, S, H] value the last of them is a Reshape of,
+    when there is one (TorchScript's exports read its shape for the output's zeros); the check feeds it as
+    [1, T, H]."""
     out = [value]
     node = graph.producer_node(value)
     shape = graph.values[value].shape
@@ -162,7 +165,7 @@ def aliases(graph: Graph, value: str) -> list[str]:
            and all(isinstance(d, int) or isinstance(d, str) for d in shape) and graph.values[node.inputs[0]].shape == shape):
         out.append(node.inputs[0])
         node = graph.producer_node(node.inputs[0])
-    if node is not None and node.op_type == "Reshape" and shape is not None and len(shape) == 2:
+    if node is not None and node.op_type == "Reshape" and shape is not None and len(shape) == 2 and isinstance(shape[1], int):
         src = graph.values[node.inputs[0]].shape
         if src is not None and len(src) == 3 and src[2] == shape[1]:
             out.append(node.inputs[0])
