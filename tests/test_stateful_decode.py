@@ -140,6 +140,21 @@ def test_group_sizes_are_distinct_and_fewest(n, cap):
     assert g * cap - g * (g - 1) // 2 < n
 
 
+def _decodes_like_ort_with_its_caches(folder, source, manifest, steps: int) -> None:
+    """The stateful folder's greedy tokens after PROMPT equal ONNX Runtime's on ``source`` for ``steps`` steps, its
+    logits within 1e-4 relative, and every global of ``manifest.state`` holds the original's cache rows written so
+    far (rtol 1e-4)."""
+    gen, ref_gen = Generator(folder), Generator.reference(source)
+    got, ref = gen.generate(PROMPT, steps), ref_gen.generate(PROMPT, steps)
+    assert got.tokens == ref.tokens
+    assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4
+    state, written = gen.runner.read_state(), len(PROMPT) + steps - 1
+    for s in manifest.state:
+        for k, e in enumerate(s["entries"]):
+            r = ref_gen.past[e["input"]][:, :, :written]
+            np.testing.assert_allclose(state[s["name"]][k][:, :, :written], r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+
+
 @pytest.mark.slow
 def test_a_deep_decoder_keeps_its_cache_in_several_globals(tmp_path):
     """30 layers = 60 caches: in one global iree-compile 3.13 fails ("failed to solve for usage analysis"); split
@@ -154,15 +169,7 @@ def test_a_deep_decoder_keeps_its_cache_in_several_globals(tmp_path):
     assert [(s["name"], s["shape"][0], len(s["entries"])) for s in m.state] == [("rewrite_kv_state", 31, 31), ("rewrite_kv_state_1", 29, 29)]
     pasts = [e["input"] for s in m.state for e in s["entries"]]
     assert pasts == [f"past_{kind}_{i}" for i in range(30) for kind in ("key", "value")]
-    gen, ref_gen = Generator(tmp_path / "iree"), Generator.reference(path)
-    got, ref = gen.generate(PROMPT, 8), ref_gen.generate(PROMPT, 8)
-    assert got.tokens == ref.tokens
-    assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4
-    state, written = gen.runner.read_state(), len(PROMPT) + 8 - 1
-    for s in m.state:
-        for k, e in enumerate(s["entries"]):
-            r = ref_gen.past[e["input"]][:, :, :written]
-            np.testing.assert_allclose(state[s["name"]][k][:, :, :written], r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+    _decodes_like_ort_with_its_caches(tmp_path / "iree", path, m, 8)
 
 
 def test_caches_of_two_types_get_globals_of_their_own(tmp_path):
@@ -180,15 +187,7 @@ def test_caches_of_two_types_get_globals_of_their_own(tmp_path):
     assert [(s["name"], s["shape"], [e["input"] for e in s["entries"]]) for s in m.state] == [
         ("rewrite_kv_state", [2, 1, 1, 24, 16], ["past_key_values.layers.0.keys", "past_key_values.layers.1.keys"]),
         ("rewrite_kv_state_1", [2, 1, 1, 24, 8], ["past_key_values.layers.0.values", "past_key_values.layers.1.values"])]
-    gen, ref_gen = Generator(tmp_path / "iree"), Generator.reference(path)
-    got, ref = gen.generate(PROMPT, 12), ref_gen.generate(PROMPT, 12)
-    assert got.tokens == ref.tokens
-    assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4
-    state, written = gen.runner.read_state(), len(PROMPT) + 12 - 1
-    for s in m.state:
-        for k, e in enumerate(s["entries"]):
-            r = ref_gen.past[e["input"]][:, :, :written]
-            np.testing.assert_allclose(state[s["name"]][k][:, :, :written], r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+    _decodes_like_ort_with_its_caches(tmp_path / "iree", path, m, 12)
 
 
 @pytest.mark.slow
