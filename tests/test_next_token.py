@@ -14,8 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from rewrite.backends.iree import DECODE_WINDOW, cuda_argmax_as_reductions
+from rewrite.backends.iree_argmax import OP_TYPE as ROW_ARGMAX
+from rewrite.backends.iree_argmax import use_row_argmax
 from rewrite.cli import cli
 from rewrite.core import onnx_io
+from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import Graph
 from rewrite.core.next_token import NEXT_TOKEN, add_next_token
 from rewrite.errors import InputError, RewriteError
@@ -146,13 +149,59 @@ def test_an_argmax_iree_cuda_cannot_compile_becomes_reductions(opset):
 
 def test_next_token_compiles_for_cuda(seed_fp32, tmp_path):
     """The seed form's 512-token vocabulary: --next-token on --target cuda compiles (iree-compile failed to
-    distribute its ArgMax), the folder's graph taking the reductions instead."""
+    distribute IREE's own ArgMax of it), the next token one dispatch of the backend's row_argmax kernel."""
     m = apply(seed_fp32[0], tmp_path / "cuda", plugins=PLUGINS, backend="iree", target="cuda",
               options={"stateful": True, "next_token": True}, dims={"seq_len": 1})
     assert m.decoder["next_token"] == NEXT_TOKEN  # recorded before lowering: the device decode finds it
     assert (tmp_path / "cuda" / "model.vmfb").stat().st_size > 0
     g = onnx_io.load(tmp_path / "cuda" / "model.onnx")
-    assert not g.nodes_by_op("ArgMax") and g.producer_node(NEXT_TOKEN).op_type == "Min"
+    assert not g.nodes_by_op("ArgMax") and g.producer_node(NEXT_TOKEN).op_type == ROW_ARGMAX
+    mlir = (tmp_path / "cuda" / "model.mlir").read_text()
+    assert mlir.count("flow.dispatch @rewrite_row_argmax::@row_argmax_f32") == 1 and "onnx.ArgMax" not in mlir
+    assert any(o.startswith("kernels/argmax_cuda") for o in m.kernel_objects)
+
+
+def _argmax_node_graph(shape, dtype=onnx.TensorProto.FLOAT16, **attrs) -> Graph:
+    x = onnx.helper.make_tensor_value_info("x", dtype, shape)
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, None)
+    node = onnx.helper.make_node("ArgMax", ["x"], ["y"], **attrs)
+    model = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y]),
+                                   opset_imports=[onnx.helper.make_opsetid("", 17)])
+    return onnx_io.load(model)
+
+
+def test_an_argmax_alone_compiles_for_cuda_with_the_row_kernel(tmp_path):
+    """A graph whose only op is the ArgMax (no plugin declares the ai.rewrite domain): the backend declares it
+    for RowArgMax, and the module compiles with one dispatch of row_argmax."""
+    onnx.save(onnx_io.to_model(_argmax_graph(151936)), tmp_path / "m.onnx")
+    apply(tmp_path / "m.onnx", tmp_path / "out", backend="iree", target="cuda")
+    assert (tmp_path / "out" / "model.vmfb").stat().st_size > 0
+    assert (tmp_path / "out" / "model.mlir").read_text().count("@row_argmax_f16[") == 1
+
+
+@pytest.mark.parametrize("shape, dtype, attrs, taken, out_shape", [
+    ([1, 1, 151936], onnx.TensorProto.FLOAT16, dict(axis=-1, keepdims=0), True, (1, 1)),
+    ([2, 3, 512], onnx.TensorProto.FLOAT, dict(axis=2), True, (2, 3, 1)),  # keepdims defaults to 1
+    ([4, 1000], onnx.TensorProto.FLOAT16, dict(axis=1, keepdims=0), True, (4,)),
+    ([1, 1, 151936], onnx.TensorProto.FLOAT16, dict(axis=-1, keepdims=0, select_last_index=1), False, None),
+    ([1, 512, 4], onnx.TensorProto.FLOAT16, dict(axis=1, keepdims=0), False, None),  # not the last axis
+    ([1, 1, 100], onnx.TensorProto.FLOAT16, dict(axis=-1, keepdims=0), False, None),  # a short row
+    (["b", 1, 512], onnx.TensorProto.FLOAT16, dict(axis=-1, keepdims=0), False, None),  # a symbolic dim
+    ([1, 1, 512], onnx.TensorProto.DOUBLE, dict(axis=-1, keepdims=0), False, None),
+])
+def test_row_argmax_takes_the_last_axis_of_static_float_rows(shape, dtype, attrs, taken, out_shape):
+    """use_row_argmax: which ArgMaxes become ai.rewrite::RowArgMax (same input, the output keeping its name and
+    getting ArgMax's shape), and which are left to IREE."""
+    g = _argmax_node_graph(shape, dtype, **attrs)
+    assert use_row_argmax(g) == int(taken)
+    (node,) = g.topo_nodes()
+    if not taken:
+        assert node.op_type == "ArgMax"
+        return
+    assert (node.op_type, node.domain, node.inputs, g.outputs) == (ROW_ARGMAX, DOMAIN, ["x"], ["y"])
+    assert g.opset(DOMAIN) is not None  # declared: the importer rejects a node of an undeclared domain
+    assert node.attr("keepdims") == attrs.get("keepdims", 1)
+    assert g.values["y"].shape == out_shape and g.values["y"].dtype == onnx.TensorProto.INT64
 
 
 def test_ort_next_token_is_the_argmax_of_the_last_position(folders):

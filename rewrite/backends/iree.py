@@ -21,6 +21,8 @@ from onnx import numpy_helper
 
 from rewrite.backends.base import Manifest, check_feeds
 from rewrite.backends.errors import IreeRuntimeError
+from rewrite.backends.iree_argmax import OP_TYPE as ROW_ARGMAX
+from rewrite.backends.iree_argmax import lower_row_argmax, use_row_argmax
 from rewrite.backends.iree_prebuilt import graph_digest, host_cpu, reuse_module, write_params_index
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io, spill
@@ -296,7 +298,8 @@ _CUDA_ARGMAX_BAD_MULTIPLE = 256
 # An ArgMax over 151,936 values takes IREE 3.13's CUDA codegen about 73 us (one workgroup reduces the row). Written
 # in two stages in the graph (Reshape to [1187, 128], the rows' ArgMax and ReduceMax or GatherElements, then the
 # ArgMax of the rows' maxima) it took 18.5 ms on an H100 (BENCHMARKS.md): IREE fuses the first stage into the
-# second's dispatch, which then reduces all 151,936 values serially. A faster next token needs a kernel of our own.
+# second's dispatch, which then reduces all 151,936 values serially. The backend's own kernel takes it instead
+# (rewrite/backends/iree_argmax.py); these reductions remain for the ArgMaxes it does not take.
 
 
 def cuda_argmax_as_reductions(graph: Graph) -> int:
@@ -305,8 +308,9 @@ def cuda_argmax_as_reductions(graph: Graph) -> int:
     for any size: ``m = ReduceMax(x)`` (kept dims), ``i = ReduceMin(Where(x == m, iota, N))``, ``Min(i, N - 1)``.
     The first index of the maximum, as ONNX ArgMax with ``select_last_index=0`` returns it (ONNX operator spec,
     ArgMax), ties and all -inf rows included; the ``Min`` keeps a row with a NaN (no element equal to its
-    maximum) inside ``[0, N)``, where ArgMax gives some index too. Returns the count replaced (the next token's
-    ArgMax over a 512-token vocabulary, ``rewrite apply --next-token``, is the case met).
+    maximum) inside ``[0, N)``, where ArgMax gives some index too. Returns the count replaced. (The next token's
+    ArgMax, ``rewrite apply --next-token``, is taken before this by the backend's own kernel when its shape is
+    static: :func:`rewrite.backends.iree_argmax.use_row_argmax`; this meets one with a symbolic dim.)
     """
     opset = graph.opset("") or 1
     if opset < 13:  # ReduceMax/ReduceMin over int64 and Where's broadcasting as used here
@@ -366,6 +370,8 @@ class IreeBackend:
         """``lowerings``: op_type -> IREE lowering function for ``manifest.target``."""
         refuse_unsupported(graph)
         if manifest.target == "cuda":
+            if use_row_argmax(graph):  # the next token's ArgMax: a kernel of the backend's own
+                lowerings = {**lowerings, ROW_ARGMAX: lower_row_argmax}
             cuda_argmax_as_reductions(graph)
         onnx_path = folder / manifest.model
         if not graph.name:  # the importer names the entry function after the graph and rejects ""

@@ -17,6 +17,10 @@
 // first normalizes the row into shared memory, round(round(x / sqrt(mean_k(x * x) + eps)) * nw[k])
 // (ai.rewrite::RMSNorm's contract), and workgroup 0 also writes it to xn [K] (a second output, for the norm's other
 // readers); push constants m, k, n and the epsilon's float32 bits.
+//
+// One row of x (decode: the norm kernel, and the plain kernel when m is 1): a warp's lanes issue STEPS steps of their
+// row's loads at once (the whole row for K <= 2048 in f16), the norm kernel before its prologue, so the weight
+// bytes are in flight while the workgroup normalizes x (they do not depend on it).
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -26,12 +30,78 @@
 #define WARPS (THREADS / 32)
 #define TOKENS 8     // CUDA_TOKENS in op.py
 
+// 8 consecutive elements of a row as raw bytes (16 of f16, 32 of f32), and as floats
+template <typename T>
+struct Raw8 {
+  uint4 v[sizeof(T) / 2];
+};
+template <typename T>
+__device__ __forceinline__ Raw8<T> raw8(const T* p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.v[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ void floats8(const Raw8<T>& r, float* out) {
+  load8(reinterpret_cast<const T*>(r.v), out);
+}
+// steps of 8 elements a lane has in flight at once on the one-row path (32 registers of loads either way)
+template <typename T>
+struct RowSteps {
+  static constexpr int value = sizeof(T) == 2 ? 8 : 4;
+};
+
+// The one-row product of weight row ``row`` [K] with x [K] (shared or global), summed over the warp, on every lane.
+// ``wr``: the lane's first STEPS steps (elements lane * 8 + 256 * d) when ``loaded``, else loaded here.
+template <typename T>
+__device__ __forceinline__ float row_dot1(const T* x, const T* row, int K, Raw8<T> (&wr)[RowSteps<T>::value],
+                                          bool loaded) {
+  constexpr int STEPS = RowSteps<T>::value;
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f;
+  for (int k0 = lane * 8; k0 < K; k0 += STEPS * 256) {
+    if (!loaded || k0 != lane * 8) {
+#pragma unroll
+      for (int d = 0; d < STEPS; ++d)
+        if (k0 + 256 * d < K) wr[d] = raw8(row + k0 + 256 * d);
+    }
+#pragma unroll
+    for (int d = 0; d < STEPS; ++d) {
+      const int k = k0 + 256 * d;
+      if (k < K) {
+        float wf[8], xv[8];
+        floats8(wr[d], wf);
+        load8(x + k, xv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc = fmaf(xv[i], wf[i], acc);
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return acc;
+}
+template <typename T>
+__device__ __forceinline__ void issue_row(const T* row, int K, Raw8<T> (&wr)[RowSteps<T>::value]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 0; d < RowSteps<T>::value; ++d)
+    if (lane * 8 + 256 * d < K) wr[d] = raw8(row + lane * 8 + 256 * d);
+}
+
 template <typename T>
 __device__ void dense_matmul(const T* x, const T* w, T* y, int M, int K, int N) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const int m0 = blockIdx.y * TOKENS;
   if (n >= N) return;
+  if (M == 1) {  // decode: the one-row path
+    Raw8<T> wr[RowSteps<T>::value];
+    const float v = row_dot1(x, w + (size_t)n * K, K, wr, false);
+    if (lane == 0) store(y + n, v);
+    return;
+  }
   const int tokens = min(TOKENS, M - m0);
   const T* row = w + (size_t)n * K;
   float acc[TOKENS];
@@ -65,6 +135,9 @@ __device__ void dense_matmul(const T* x, const T* w, T* y, int M, int K, int N) 
 template <typename T>
 __device__ void dense_matmul_norm(const T* x, const T* w, const T* nw, T* y, T* xn, int K, int N, float eps) {
   __shared__ __align__(16) T xs[RMS_NORM_MAX_K];
+  const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  Raw8<T> wr[RowSteps<T>::value];
+  if (n < N) issue_row(w + (size_t)n * K, K, wr);  // the weights do not wait for the prologue
   rms_norm_row<THREADS>(x, nw, eps, K, xs);  // every thread: barriers
   if (blockIdx.x == 0) {
     for (int k = threadIdx.x * 8; k < K; k += THREADS * 8)
@@ -73,7 +146,9 @@ __device__ void dense_matmul_norm(const T* x, const T* w, const T* nw, T* y, T* 
       for (int k = threadIdx.x * 8 + 4; k < K; k += THREADS * 8)
         *reinterpret_cast<uint4*>(xn + k) = *reinterpret_cast<const uint4*>(xs + k);
   }
-  dense_matmul<T>(xs, w, y, 1, K, N);
+  if (n >= N) return;
+  const float v = row_dot1<T>(xs, w + (size_t)n * K, K, wr, true);
+  if ((threadIdx.x & 31) == 0) store(y + n, v);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_f16(const __half* x, const __half* w, __half* y,

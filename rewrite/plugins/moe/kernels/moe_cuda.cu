@@ -25,10 +25,10 @@
 // written once in x's type (ADDEND: rounded to it, plus the addend, rounded again).
 //
 // Fast path (f16 activations, INT4 weights, H, I and the block size multiples of 32, the vectors within the
-// shared stages): the vector (x, or the k act rows) is staged once per workgroup in shared memory as half2,
-// scaled by 1/16 (range for the half products) and laid out per 8 elements as (v0,v4),(v1,v5),(v2,v6),(v3,v7):
-// the order in which the "magic number" conversion (code | 0x6400 is the half 1024 + code) takes two nibbles of
-// a 32-bit word at once. Each lane reads 16 bytes (32 codes) of a row per load. gate_up: a warp works on the gate
+// shared stages): the vector (x, or the k act rows) is staged once per workgroup in shared memory as half2, and the
+// rows' 16-byte pieces are dotted with it as rewrite/plugins/kernels/cuda_int4.h describes (half2 products of the
+// codes minus their zero point, piece-major staging). Each lane reads 16 bytes (32 codes) of a row per load.
+// gate_up: a warp works on the gate
 // and up rows of GATE_PAIRS items with one vector read, all their loads in flight at once. down: a warp takes
 // one row of H for all k experts at once, the k * I / 32 pieces spread over its lanes (up to DOWN_LOADS per lane
 // in flight), issued before the act rows are staged, so the staging hides behind the weight loads. Products and
@@ -36,6 +36,8 @@
 // general path: one row per warp, f32 arithmetic.
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "../../kernels/cuda_int4.h"  // VEC_SCALE, stage_group, staged_piece, dot32, Chunk, load_chunk, dot_rows
 
 // Alignment: H and I multiples of 8 (the lowering checks), so every 8-value read of x or act is 16-byte aligned.
 
@@ -64,7 +66,6 @@
 #ifndef DOWN_LOADS
 #define DOWN_LOADS 8   // down: 16-byte pieces per lane in flight
 #endif
-#define VEC_SCALE 0.0625f  // staged vectors are scaled by 1/16 so half products of up to 4 codes stay finite
 
 __device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
@@ -279,78 +280,13 @@ __device__ float row_dot(const void* __restrict__ w, const T* __restrict__ s, co
 
 // ---------------------------------------------------------------- fast path: f16, INT4, multiples of 32
 
-// Stage n values of v (n % 8 == 0) into sh as n/2 half2, scaled and permuted per 8 (see the header).
+// Stage n values of v (n % 32 == 0) into sh as n/2 half2 (stage_group's layout); CG: read through the L2 only.
 template <bool CG = false, typename V>
 __device__ __forceinline__ void stage(const V* __restrict__ v, int n, __half2* sh) {
   for (int g = threadIdx.x; g < n / 8; g += THREADS) {
     float f[8];
     load8v<CG>(v, 8 * g, f);
-#pragma unroll
-    for (int m = 0; m < 4; ++m) sh[4 * g + m] = __floats2half2_rn(f[m] * VEC_SCALE, f[m + 4] * VEC_SCALE);
-  }
-}
-
-// sum over the 32 codes of one 16-byte load of (code - zp) * vector, the vector's 16 half2 in xv; zh = 1024 + zp.
-__device__ __forceinline__ float dot32(uint4 wv, const uint4 (&xv)[4], __half2 zh) {
-#ifdef NO_DOT  // a variant for benchmarks/moe_cuda_kernels.py: the loads without the arithmetic
-  return __uint_as_float((wv.x ^ wv.y ^ wv.z ^ wv.w ^ xv[0].x) & 0x3f7fffffu);
-#endif
-  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-  float acc = 0.f;
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const __half2* xp = (const __half2*)&xv[m];
-    __half2 s = __float2half2_rn(0.f);
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      uint32_t b = ((words[m] >> (4 * n)) & 0x000F000Fu) | 0x64006400u;
-      s = __hfma2(__hsub2(*(const __half2*)&b, zh), xp[n], s);
-    }
-    float2 f = __half22float2(s);
-    acc += f.x + f.y;
-  }
-  return acc;
-}
-
-// R rows (byte pointers to packed INT4 rows of Kd codes, their scale and zero-point rows) dotted with staged
-// vectors (Kd/2 half2 each): vec[0] for every row when ONE_VEC, else vec[r] for row r. Each lane's partial sums
-// go to acc (not reduced across the warp, not unscaled). A lane takes its 16-byte pieces two at a time (q and
-// q + 32): every load of a pass (R rows x 2 pieces, their scales and zero points) is issued before the
-// arithmetic, so a row of up to 2048 codes costs one memory round trip.
-template <int R, bool ONE_VEC>
-__device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[R], const __half* const (&srow)[R],
-                                         const uint8_t* const (&zrow)[R], const bool (&live)[R], int Kd, int bs,
-                                         const __half2* const (&vec)[R], float (&acc)[R]) {
-  int lane = threadIdx.x & 31, nq = Kd / 32;
-  for (int q0 = lane; q0 < nq; q0 += 64) {
-    uint4 wv[2][R];
-    float sc[2][R];
-    __half2 zh[2][R];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      int q = q0 + 32 * u, b = (32 * q) / bs;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        bool ok = live[r] && q < nq;
-        wv[u][r] = ok ? __ldg((const uint4*)rows[r] + q) : make_uint4(0, 0, 0, 0);
-        sc[u][r] = ok ? __half2float(__ldg(srow[r] + b)) : 0.f;
-        zh[u][r] = __float2half2_rn(1024.f + (ok && zrow[r] ? (float)__ldg(zrow[r] + b) : 8.f));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      int q = q0 + 32 * u;
-      if (q >= nq) break;
-      uint4 xv[4];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (r == 0 || !ONE_VEC) {
-#pragma unroll
-          for (int m = 0; m < 4; ++m) xv[m] = ((const uint4*)vec[r])[4 * q + m];
-        }
-        acc[r] += sc[u][r] * dot32(wv[u][r], xv, zh[u][r]);
-      }
-    }
+    stage_group(sh, n / 32, g, f);
   }
 }
 
@@ -393,11 +329,13 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
   if (here <= 0) return;
   if (fast) {
     int nb = (H + bs - 1) / bs;  // a last block may be partial, or longer than the row
+    constexpr int R = 2 * GATE_PAIRS;
+    Chunk<R, 2> chunk;
     for (int n0 = GATE_PAIRS * warp; n0 < items; n0 += GATE_PAIRS * WARPS) {  // GATE_PAIRS items per pass
-      const uint8_t* rp[2 * GATE_PAIRS];
-      const __half* sp[2 * GATE_PAIRS];
-      const uint8_t* zp[2 * GATE_PAIRS];
-      bool live[2 * GATE_PAIRS];
+      const uint8_t* rp[R];
+      const __half* sp[R];
+      const uint8_t* zp[R];
+      bool live[R];
       long long e2[GATE_PAIRS];
       int r2[GATE_PAIRS];
 #pragma unroll
@@ -416,11 +354,11 @@ __device__ void gate_up(const T* __restrict__ x, const T* __restrict__ logits, c
           live[2 * m + h] = e >= 0;
         }
       }
-      float acc[2 * GATE_PAIRS];
-      const __half2* vec[2 * GATE_PAIRS];
+      float acc[R];
+      const __half2* vec[R];
 #pragma unroll
-      for (int m = 0; m < 2 * GATE_PAIRS; ++m) acc[m] = 0.f, vec[m] = xsh;
-      dot_rows<2 * GATE_PAIRS, true>(rp, sp, zp, live, H, bs, vec, acc);
+      for (int m = 0; m < R; ++m) acc[m] = 0.f, vec[m] = xsh;
+      dot_rows<R, 2, true>(rp, sp, zp, live, H, bs, vec, acc, chunk, false);
 #pragma unroll
       for (int m = 0; m < GATE_PAIRS; ++m) {
         float g = warp_sum(acc[2 * m]) * (1.f / VEC_SCALE), u = warp_sum(acc[2 * m + 1]) * (1.f / VEC_SCALE);
@@ -521,10 +459,10 @@ __device__ void down(const float* __restrict__ act, const void* __restrict__ w2,
         if (p0 > 0 || r > r0 + warp) issue(r, p0);
 #pragma unroll
         for (int u = 0; u < DOWN_LOADS; ++u) {
-          int p = p0 + lane + 32 * u, j = p / nq, q = p - j * nq;
+          int p = p0 + lane + 32 * u;
           if (p >= np) break;
-          const uint4* xp = (const uint4*)(ash + (long long)j * (I / 2)) + 4 * q;
-          uint4 xv[4] = {xp[0], xp[1], xp[2], xp[3]};
+          uint4 xv[4];
+          staged_piece(ash, np, p, xv);  // piece q of act row j is piece j * nq + q = p of the k rows
           total += pc[u].sc * dot32(pc[u].w, xv, pc[u].zh);
         }
       }
