@@ -3,15 +3,19 @@ attention shapes of the seeds' models, time per call against the copy bandwidth 
 check against the op's numpy reference. On the GPU machine (nvcc and CuPy, no IREE)::
 
     python benchmarks/attention_cuda_kernels.py
+    python benchmarks/attention_cuda_kernels.py --variant old=old.cu --variant new=attention_cuda.cu
 
 The kernel is launched as IREE launches it (``lower_iree_cuda``): the bindings' pointers, then the push constants
 as 32-bit integers, on the same grid. Cases: a static KV cache of S positions of which the first ``visible`` are
 written (the mask hides the rest, as ``kv --max-seq`` leaves it), T query rows at the last visible positions
 (causal), their K and V rows passed apart (``K_new``, ``V_new``, ``position``: the form the
-``attention-reads-loaded-cache`` rule makes). ``LAYERS`` K/V caches are used in turn, so a call reads its cache from HBM as a decode step does;
-``ITERS`` calls are captured in a CUDA graph and its replays timed with CUDA events (``timed`` of
-benchmarks/moe_cuda_kernels.py). Bytes per call: the visible K and V rows of every K/V head, Q, Y and the mask
-rows. Then the conformance kit's samples of the op (f32 and f16, every mask form) through the kernel. Exits 1 when
+``attention-reads-loaded-cache`` rule makes). Enough K/V caches (``LAYERS`` or more: together at least
+``COLD_BYTES``, more than the L2 holds) are used in turn, so a call reads its cache from HBM as a decode step does
+(between two steps every weight passes through the L2); one call per cache, at least ``ITERS``, is captured in a
+CUDA graph and its replays timed with CUDA events (``timed`` of benchmarks/moe_cuda_kernels.py). A variant
+(``--variant NAME=SOURCE[,MACRO[=V]...]``, repeatable) is another version of the kernel source with the same launch
+interface, with macros passed to nvcc; the variants run side by side on the same caches, so their times compare
+directly. Bytes per call: the visible K and V rows of every K/V head, Q, Y and the mask rows. Then the conformance kit's samples of the op (f32 and f16, every mask form) through the kernel. Exits 1 when
 an output is off its reference.
 """
 
@@ -36,6 +40,7 @@ MODELS = {"qwen1.5": (16, 16, 128), "qwen3": (32, 4, 128)}
 #: 4,000 of 4,096; a 128-token prefill into the 256-slot cache
 CASES = ((1, 256, 160), (1, 4096, 160), (1, 4096, 4000), (128, 256, 128))
 LAYERS = 24
+COLD_BYTES = 256 << 20  #: K/V bytes cycled per graph: several times the L2 (50 MB on an H100, 60 on an H200)
 
 
 def main() -> int:
@@ -45,20 +50,26 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=REPS)
+    ap.add_argument("--variant", action="append", default=[], help="NAME=SOURCE[,MACRO[=V]...] (repeatable; default: the shipped source)")
     args = ap.parse_args()
-    source = ROOT / "rewrite/plugins/attention/kernels/attention_cuda.cu"
-    mod = cp.RawModule(code=source.read_text(), backend="nvcc", options=("-O3",))
+    shipped = ROOT / "rewrite/plugins/attention/kernels/attention_cuda.cu"
+    variants = [(n, rest.split(",")) for n, _, rest in (v.partition("=") for v in args.variant)] or [("shipped", [str(shipped)])]
+    mods = {n: cp.RawModule(code=Path(src).read_text(), backend="nvcc",  # quoted includes: the shipped source's folder
+                            options=("-O3", f"-I{shipped.parent}", *(f"-D{d}" for d in macros)))
+            for n, (src, *macros) in variants}
     bw = copy_bandwidth(cp)
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; {ITERS} calls per CUDA graph, median of {args.reps} replays; f16")
-    print(f"{'model':<8} {'Hq':>3} {'Hkv':>3} {'T':>4} {'S':>5} {'vis':>5} {'us':>8} {'MB':>7} {'GB/s':>6} {'of copy':>8}  check")
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; one call per K/V cache (>= {COLD_BYTES >> 20} MB of them, >= {ITERS} "
+          f"calls) per CUDA graph, median of {args.reps} replays; f16")
+    print(f"{'model':<8} {'Hq':>3} {'Hkv':>3} {'T':>4} {'S':>5} {'vis':>5} {'variant':<8} {'us':>8} {'MB':>7} {'GB/s':>6} "
+          f"{'of copy':>8}  check")
     rng = np.random.default_rng(0)
     failed = 0
     for name, (hq, hkv, d) in MODELS.items():
-        kernel = mod.get_function(f"grouped_attention_f16_d{d}")
         for t, s, visible in CASES:
             crng = cp.random.RandomState(t + s)
+            layers = max(LAYERS, -(-COLD_BYTES // (2 * hkv * s * d * 2)))
             caches = [tuple(crng.standard_normal((1, hkv, s, d), dtype=cp.float32).astype(cp.float16) for _ in range(2))
-                      for _ in range(LAYERS)]
+                      for _ in range(layers)]
             q = rng.standard_normal((1, hq, t, d)).astype(np.float16)
             pos = np.arange(visible - t, visible)[:, None]
             mask = np.where(np.arange(s)[None, :] <= pos, 0.0, -np.inf).astype(np.float16)[None, None]
@@ -71,26 +82,32 @@ def main() -> int:
                                             struct.unpack("<i", struct.pack("<f", scale))[0], t)]  # scale, n_new
             news = [tuple(x[:, :, visible - t:visible].copy() for x in layer) for layer in caches]
             position = cp.asarray(np.array([visible - t], np.int64))
-
-            def launch(layer: int) -> None:
-                k, v = caches[layer]
-                kn, vn = news[layer]
-                kernel(grid, (CUDA_THREADS,), (dq, k, v, dmask, kn, vn, position, y, *consts))
-
-            launch(0)
-            cp.cuda.Device().synchronize()
             k0, v0 = (cp.asnumpy(x) for x in caches[0])
             want = GroupedAttention().reference({"scale": scale}, q, k0, v0, mask)[0].astype(np.float64)
-            got = cp.asnumpy(y).astype(np.float64)
-            err = float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
-            ok = err <= 1e-2
-            failed += not ok
-            us = timed(cp, [lambda i=i: launch(i % LAYERS) for i in range(ITERS)], args.reps)
-            nbytes = 2 * hkv * visible * d * 2 + q.nbytes + y.nbytes + mask.nbytes
-            print(f"{name:<8} {hq:>3} {hkv:>3} {t:>4} {s:>5} {visible:>5} {us:>8.1f} {nbytes / 1e6:>7.2f} "
-                  f"{nbytes / us / 1e3:>6.0f} {nbytes / us / 1e3 / (bw / 1e9):>8.1%}  rel. error {err:.1e} "
-                  f"{'ok' if ok else 'WRONG'}", flush=True)
-    failed += check_samples(cp, mod)
+            for vname, mod in mods.items():
+                kernel = mod.get_function(f"grouped_attention_f16_d{d}")
+
+                def launch(layer: int, kernel=kernel) -> None:
+                    k, v = caches[layer]
+                    kn, vn = news[layer]
+                    kernel(grid, (CUDA_THREADS,), (dq, k, v, dmask, kn, vn, position, y, *consts))
+
+                y[...] = 0
+                launch(0)
+                cp.cuda.Device().synchronize()
+                got = cp.asnumpy(y).astype(np.float64)
+                err = float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
+                ok = err <= 1e-2
+                failed += not ok
+                us = timed(cp, [lambda i=i: launch(i % layers) for i in range(max(ITERS, layers))], args.reps)
+                nbytes = 2 * hkv * visible * d * 2 + q.nbytes + y.nbytes + mask.nbytes
+                print(f"{name:<8} {hq:>3} {hkv:>3} {t:>4} {s:>5} {visible:>5} {vname:<8} {us:>8.1f} {nbytes / 1e6:>7.2f} "
+                      f"{nbytes / us / 1e3:>6.0f} {nbytes / us / 1e3 / (bw / 1e9):>8.1%}  rel. error {err:.1e} "
+                      f"{'ok' if ok else 'WRONG'}", flush=True)
+            del caches, news
+    for vname, mod in mods.items():
+        print(f"{vname}: the conformance kit's samples")
+        failed += check_samples(cp, mod)
     return 1 if failed else 0
 
 

@@ -111,8 +111,9 @@ def main() -> int:
     variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS) for v in args.variant] or \
         [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS)]
     for v in variants:
-        mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",  # (quoted includes: its folder, -I)
-                           options=("-O3", f"-I{v['source'].resolve().parent}", *(f"-D{d}" for d in v["defines"])))
+        mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",  # quoted includes: its folder, the shipped one's
+                           options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",
+                                    *(f"-D{d}" for d in v["defines"])))
         v["kernels"] = mod.get_function("moe_gate_up_f16"), mod.get_function("moe_down_f16")
         try:  # the one-launch kernel, in sources that have it
             v["fused"] = mod.get_function("moe_fused_f16")
