@@ -14,9 +14,10 @@ written (the mask hides the rest, as ``kv --max-seq`` leaves it), T query rows a
 (between two steps every weight passes through the L2); one call per cache, at least ``ITERS``, is captured in a
 CUDA graph and its replays timed with CUDA events (``timed`` of benchmarks/moe_cuda_kernels.py). A variant
 (``--variant NAME=SOURCE[,MACRO[=V]...]``, repeatable) is another version of the kernel source with the same launch
-interface, with macros passed to nvcc; the variants run side by side on the same caches, so their times compare
-directly. Bytes per call: the visible K and V rows of every K/V head, Q, Y and the mask rows. Then the conformance kit's samples of the op (f32 and f16, every mask form) through the kernel. Exits 1 when
-an output is off its reference.
+interface, with macros passed to nvcc (``parse_variant`` of benchmarks/moe_cuda_kernels.py); the variants run side
+by side on the same caches, so their times compare directly. Bytes per call: the visible K and V rows of every K/V
+head, Q, Y and the mask rows. Then the conformance kit's samples of the op (f32 and f16, every mask form) through
+each variant's kernel. Exits 1 when an output is off its reference.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, timed  # noqa: E402
+from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, parse_variant, timed  # noqa: E402
 
 #: name -> (query heads, K/V heads, head size): Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json
 MODELS = {"qwen1.5": (16, 16, 128), "qwen3": (32, 4, 128)}
@@ -50,13 +51,16 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=REPS)
-    ap.add_argument("--variant", action="append", default=[], help="NAME=SOURCE[,MACRO[=V]...] (repeatable; default: the shipped source)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=SOURCE[,MACRO[=V]...] (repeatable; default: the shipped source)")
     args = ap.parse_args()
     shipped = ROOT / "rewrite/plugins/attention/kernels/attention_cuda.cu"
-    variants = [(n, rest.split(",")) for n, _, rest in (v.partition("=") for v in args.variant)] or [("shipped", [str(shipped)])]
-    mods = {n: cp.RawModule(code=Path(src).read_text(), backend="nvcc",  # quoted includes: the shipped source's folder
-                            options=("-O3", f"-I{shipped.parent}", *(f"-D{d}" for d in macros)))
-            for n, (src, *macros) in variants}
+    variants = [parse_variant(v, 0, 0) for v in args.variant] or [dict(name="shipped", source=shipped, defines=[])]
+    # quoted includes: the variant's folder, then the shipped source's
+    mods = {v["name"]: cp.RawModule(code=v["source"].read_text(), backend="nvcc",
+                                    options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",
+                                             *(f"-D{d}" for d in v["defines"])))
+            for v in variants}
     bw = copy_bandwidth(cp)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; one call per K/V cache (>= {COLD_BYTES >> 20} MB of them, >= {ITERS} "
           f"calls) per CUDA graph, median of {args.reps} replays; f16")
