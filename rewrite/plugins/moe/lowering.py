@@ -456,6 +456,8 @@ class FusedMoE(AbstractOp):
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
         if cuda:  # a PTX export is named after its kernel
             body = body.replace(f"@{name}::@gate_up", f"@{name}::@moe_gate_up_{el}").replace(f"@{name}::@down", f"@{name}::@moe_down_{el}")
+        else:  # exports named after their executable: iree-compile links the llvm-cpu executables into one
+            body = body.replace(f"@{name}::@gate_up", f"@{name}::@{name}_gate_up").replace(f"@{name}::@down", f"@{name}::@{name}_down")
         exe = _cuda_executable(name, obj, el) if cuda else _executable(name, obj, el, wel, S, routed)
         return IreeLowering(body=body, module_items={name: exe})
 
@@ -542,14 +544,16 @@ def _f32_bits(v: float) -> int:
 
 
 def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], routed: bool) -> str:
-    """The stream.executable with the two exports calling the statically linked kernels (bareptr ABI)."""
+    """The stream.executable with the two exports (``<name>_gate_up``, ``<name>_down``: public symbols stay unique
+    when iree-compile links every llvm-cpu executable into one) calling the statically linked kernels (bareptr
+    ABI)."""
     # (element type, size: static int or an SSA dim computed in the function) of each binding, output last
     ids = ("i64", "%tk" if routed else 2)
     gate_up = [(el, "%th"), (el, "%tl"), ids, (wel, S["fc1"]), (el, S["s1"]), ("i8", S["z1"]), (el, S["b1"]), ("f32", "%tki")]
     down = [(el, "%tl"), ids, ("f32", "%tki"), (wel, S["fc2"]), (el, S["s2"]), ("i8", S["z2"]), (el, S["b2"]), (el, "%th")]
     scalars = ["%t", "%h", "%i", "%e", "%k", "%bs", "%fl", "%al", "%be", "%li"]
     exports, funcs = [], []
-    for export, kernel, bindings in (("gate_up", "moe_gate_up_swiglu", gate_up), ("down", "moe_down_proj_reduce", down)):
+    for export, kernel, bindings in ((f"{name}_gate_up", "moe_gate_up_swiglu", gate_up), (f"{name}_down", "moe_down_proj_reduce", down)):
         args = [f"%b{i}: !stream.binding" for i in range(len(bindings))] + [f"{a}: index" for a in scalars]
         body = ["        %c0 = arith.constant 0 : index",
                 "        %wx = stream.dispatch.workgroup.id[0] : index", "        %wy = stream.dispatch.workgroup.id[1] : index",

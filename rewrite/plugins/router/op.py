@@ -305,15 +305,16 @@ class MoERouterTopK(AbstractOp):
             params = {"%rt_sc": SCORINGS.index(ga["scoring"]), "%rt_g": g, "%rt_kg": kg, "%rt_scale": bits["scale"],
                       "%rt_eps": bits["norm_eps"], "%rt_lo": bits["norm_min"]}
             lines += [f"    {n} = arith.constant {v} : index" for n, v in params.items()]
+            exe = f"{entry}_e{e}"  # the bias binding is [E]: one executable per E
             lines.append(
-                f"    %rt_w, %rt_i = flow.dispatch @{entry}_exec::@{entry}[%rt_nwg](%rt_flat, %in1, {t}, %rt_e, %rt_k, %rt_norm, "
+                f"    %rt_w, %rt_i = flow.dispatch @{exe}_exec::@{exe}[%rt_nwg](%rt_flat, %in1, {t}, %rt_e, %rt_k, %rt_norm, "
                 f"%rt_sc, %rt_g, %rt_kg, %rt_scale, %rt_eps, %rt_lo) : (tensor<?x{xe}>{{%rt_ne}}, tensor<{e}xf32>, index, index, "
                 f"index, index, index, index, index, index, index, index) -> (tensor<?x{we}>{{%rt_nk}}, tensor<?xi64>{{%rt_nk}})")
-            executable = _executable(entry, xe, we, obj, bias=e, params=("norm", "sc", "g", "kg", "scale", "eps", "lo"))
+            executable = _executable(entry, xe, we, obj, bias=e, params=("norm", "sc", "g", "kg", "scale", "eps", "lo"), name=exe)
         elif mode == "sparsemixer":
             if k != 2 or e < 2:
                 raise BackendError(f"{where}: sparsemixer selects k=2 of at least 2 experts, not k={k} of {e}")
-            entry = f"router_sparsemixer_{xe}_{we}"
+            entry = exe = f"router_sparsemixer_{xe}_{we}"
             eps = float(_grouped_args(op.attrs, None)["jitter_eps"])
             thr = int(np.array(np.float32(2.0) * np.float32(eps), np.float32).view(np.uint32))
             lines += [f"    %rt_thr = arith.constant {thr} : index"]
@@ -328,6 +329,7 @@ class MoERouterTopK(AbstractOp):
                 f" : (tensor<?x{xe}>{{%rt_ne}}, index, index, index, index, index) -> (tensor<?x{we}>{{%rt_nk}}, tensor<?xi64>{{%rt_nk}})"
             )
             executable = _executable(entry, xe, we, obj)
+            exe = entry
         lead = "?x" * (rank - 1)
         shape = ", ".join(dims + [str(k)])
         for name, src, res in (("%out0", "%rt_w", wt), ("%out1", "%rt_i", it)):
@@ -335,7 +337,7 @@ class MoERouterTopK(AbstractOp):
             dyn = f"tensor<{lead}{k}x{el}>"
             lines.append(f"    {name}_x = tensor.expand_shape {src} {group} output_shape [{shape}] : tensor<?x{el}> into {dyn}")
             lines.append(f"    {name} = tensor.cast {name}_x : {dyn} to {res.builtin}")
-        return IreeLowering(body="\n".join(lines), module_items={f"{entry}_exec": executable})
+        return IreeLowering(body="\n".join(lines), module_items={f"{exe}_exec": executable})
 
 
 def _token_count(dims: list, prefix: str) -> tuple[list[str], list[str], str]:
@@ -535,13 +537,16 @@ def _sparsemixer_onnx(graph: Graph, node: Node, b: Builder, k: int) -> list[str]
 
 
 def _executable(entry: str, xe: str, we: str, obj, *, bias: int | None = None,
-                params: tuple[str, ...] = ("mode", "norm")) -> str:
-    """The ``stream.executable`` whose export calls the statically linked ``<entry>_workgroup`` C function.
+                params: tuple[str, ...] = ("mode", "norm"), name: str | None = None) -> str:
+    """The ``stream.executable`` ``@<name>_exec`` whose export ``@<name>`` (``name`` defaults to ``entry``; public
+    symbols must stay unique when iree-compile links every llvm-cpu executable into one) calls the statically
+    linked ``<entry>_workgroup`` C function.
 
     Bindings: logits, then (grouped mode, ``bias`` = E) the f32 [E] bias, then weights and indices; push
     constants: t, e, k and ``params``. The C signature (rewrite/plugins/router/kernels/router_topk.c ``ROUTER_ENTRY`` /
     ``GROUPED_ENTRY``): each binding's base pointer and offset, then t, e, k, the workgroup id and ``params``.
     """
+    name = name or entry
     bufs = [("b0", "m0", "p0", "o0", f"?x{xe}", xe, "%ne")]
     if bias is not None:
         bufs.append(("bb", "mb", "pb", "ob", f"{bias}xf32", "f32", None))
@@ -558,19 +563,19 @@ def _executable(entry: str, xe: str, we: str, obj, *, bias: int | None = None,
     call_args = ", ".join(f"%{ptr}, %{off}" for _b, _m, ptr, off, *_ in bufs) + ", %t, %e, %k, %wg" + "".join(f", %{p}" for p in params)
     nl = "\n"
     return f"""
-  stream.executable private @{entry}_exec attributes {{
+  stream.executable private @{name}_exec attributes {{
     hal.executable.objects = #hal.executable.objects<{{
       {cpu_executable_target()} = [#hal.executable.object<{{path = "{obj}"}}>]
     }}>
   }} {{
-    stream.executable.export public @{entry} workgroups(%n: index) -> (index, index, index) {{
+    stream.executable.export public @{name} workgroups(%n: index) -> (index, index, index) {{
       %c1 = arith.constant 1 : index
       stream.return %n, %c1, %c1 : index, index, index
     }}
     builtin.module {{
       func.func private @{entry}_workgroup({c_args})
         attributes {{hal.import.static, llvm.bareptr = true}}
-      func.func @{entry}({bindings}, {consts}) {{
+      func.func @{name}({bindings}, {consts}) {{
         %c0 = arith.constant 0 : index
         %wg = stream.dispatch.workgroup.id[0] : index
         %ne = arith.muli %t, %e : index
