@@ -92,3 +92,51 @@ def gpt_oss_tiny(tmp_path_factory) -> Path:
 
     return _export(tmp_path_factory, "gpt_oss_tiny", lambda: moe_families.build("gpt_oss"),
                    lambda model, folder: moe_families.export(model, "hf", folder))
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_tiny_iree_topk(qwen2_moe_tiny, tmp_path_factory):
+    """``rewrite apply qwen2_moe_tiny --plugins cast,legalize,topk --backend iree -o FOLDER`` run once through the
+    CLI (one iree-compile for the tests that read the folder): (the completed process, FOLDER)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("qwen2_moe_tiny_iree_topk") / "iree"
+    proc = subprocess.run([sys.executable, "-m", "rewrite.cli", "apply", str(qwen2_moe_tiny), "--plugins",
+                           "cast,legalize,topk", "--backend", "iree", "-o", str(out)], capture_output=True, text=True)
+    return proc, out
+
+
+@pytest.fixture(scope="session")
+def seed_fp16_qwen3_cuda_step(tmp_path_factory):
+    """The fp16 Qwen3 seed form lowered by ``--backend iree --target cuda --stateful --dim seq_len=1`` with
+    ``cast,rope,legalize,expand,kv,attention,topk,moe`` (compiled, not run; one iree-compile for the attention and
+    rope tests): (FOLDER, its manifest, its stream census)."""
+    import seed_form
+
+    from rewrite.backends.iree_census import census
+    from rewrite.pipeline import apply
+
+    base = tmp_path_factory.mktemp("seed_fp16_qwen3_cuda_step")
+    model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
+    path = seed_form.save_seed_model(model, base / "seed.onnx")
+    m = apply(path, base / "cuda", plugins="cast,rope,legalize,expand,kv,attention,topk,moe", backend="iree",
+              target="cuda", options={"stateful": True}, dims={"seq_len": 1})
+    return base / "cuda", m, census(base / "cuda")
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_tiny_applied(qwen2_moe_tiny, tmp_path_factory):
+    """``(plugins, backend) -> (FOLDER, manifest)``: qwen2_moe_tiny after ``apply(..., plugins=plugins,
+    backend=backend)`` (default target, no options), made once per session for each pair (test_plugin_moe's and
+    test_plugin_order's full chain share one iree-compile). The tests only read the folder."""
+    from rewrite.pipeline import apply
+
+    made = {}
+
+    def get(plugins: str, backend: str):
+        if (plugins, backend) not in made:
+            out = tmp_path_factory.mktemp("qwen2_moe_tiny_applied") / backend
+            made[plugins, backend] = out, apply(qwen2_moe_tiny, out, plugins=plugins, backend=backend)
+        return made[plugins, backend]
+
+    return get

@@ -59,10 +59,12 @@ def test_untouched_transformers_export_declares_numeric_named_kv_dims(qwen2_moe_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ort", "iree"])
-def test_verify_and_generate_need_no_inputs_on_an_untouched_export(qwen2_moe_tiny, tmp_path, backend):
-    out = tmp_path / backend
-    plugins = "cast,legalize,topk" if backend == "iree" else "cast"
-    r = rewrite_cli("apply", qwen2_moe_tiny, "--plugins", plugins, "--backend", backend, "-o", out)
+def test_verify_and_generate_need_no_inputs_on_an_untouched_export(request, qwen2_moe_tiny, tmp_path, backend):
+    if backend == "iree":  # the same CLI apply as below, shared with test_end_to_end (one compile)
+        r, out = request.getfixturevalue("qwen2_moe_tiny_iree_topk")
+    else:
+        out = tmp_path / backend
+        r = rewrite_cli("apply", qwen2_moe_tiny, "--plugins", "cast", "--backend", backend, "-o", out)
     assert r.returncode == 0, r.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     past = next(d for d in manifest["inputs"] if d["name"] == "past_key_values.layers.0.keys")
@@ -94,9 +96,8 @@ def _greedy_on_original(path: Path, prompt: list[int], steps: int) -> list[int]:
     ("vocab", f"input 'input_ids' holds token id {VOCAB}, outside the vocabulary [0, {VOCAB})"),
     ("missing", "missing input 'seq_position'"),
 ])
-def test_malformed_feeds_reach_no_runtime(static_cache_model, tmp_path, backend, bad, message):
-    out = tmp_path / backend
-    apply(static_cache_model, out, backend=backend)
+def test_malformed_feeds_reach_no_runtime(static_cache_lowered, tmp_path, backend, bad, message):
+    out = static_cache_lowered(backend)
     feeds = {"input_ids": np.array([[1, 2]], np.int64), "seq_position": np.array([0], np.int64),
              "past_key_0": np.zeros((1, 2, 6, 4), np.float32)}
     if bad == "dtype":
@@ -176,6 +177,26 @@ def _decoder(path: Path, kind: str, input_prefix: str = "past_key_values") -> Pa
 def static_cache_model(tmp_path) -> Path:
     """A static cache ``past_key_0`` [1, 2, 6, 4] written at ``seq_position`` by ScatterElements along axis 2
     (the seed form's KV update); logits [1, s, VOCAB] read the whole cache."""
+    return _static_cache_model(tmp_path / "static.onnx")
+
+
+@pytest.fixture(scope="module")
+def static_cache_lowered(tmp_path_factory):
+    """``backend`` -> the static-cache model applied for that backend, lowered once per module (the cases that
+    use it only read the folder)."""
+    folders = {}
+
+    def lowered(backend: str) -> Path:
+        if backend not in folders:
+            work = tmp_path_factory.mktemp(f"static_cache_{backend}")
+            apply(_static_cache_model(work / "static.onnx"), work / backend, backend=backend)
+            folders[backend] = work / backend
+        return folders[backend]
+
+    return lowered
+
+
+def _static_cache_model(path: Path) -> Path:
     rng = np.random.default_rng(2)
     const = lambda name, value: numpy_helper.from_array(np.array(value, np.int64), name)  # noqa: E731
     inits = [numpy_helper.from_array(rng.standard_normal((VOCAB, 8)).astype(np.float32), "embed"),
@@ -207,7 +228,6 @@ def static_cache_model(tmp_path) -> Path:
     outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, [1, "s", VOCAB]),
                helper.make_tensor_value_info("present_key_0", TP.FLOAT, [1, 2, 6, 4])]
     graph = helper.make_graph(nodes, "static_decoder", inputs, outputs, inits)
-    path = tmp_path / "static.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
     return path
 

@@ -14,7 +14,7 @@ import pytest
 
 import qwen_moe
 import seed_form
-from rewrite.backends import load_runner
+from rewrite.backends import Manifest, load_runner
 from rewrite.backends.ort import OrtRunner
 from rewrite.core import onnx_io
 from rewrite.core.shapes import infer_shapes
@@ -82,9 +82,10 @@ def test_seed_form_on_ort_decodes_like_the_original(tmp_path, dtype, tol):
     assert rel_error(got[1], ref[1]) < tol
 
 
-def test_hf_export_on_iree_with_topk_decodes_like_the_original(qwen2_moe_tiny, tmp_path):
-    out = tmp_path / "iree"
-    m = apply(qwen2_moe_tiny, out, plugins="cast,legalize,topk", backend="iree")
+def test_hf_export_on_iree_with_topk_decodes_like_the_original(qwen2_moe_tiny, qwen2_moe_tiny_iree_topk):
+    proc, out = qwen2_moe_tiny_iree_topk  # `rewrite apply --plugins cast,legalize,topk --backend iree`, shared
+    assert proc.returncode == 0, proc.stderr
+    m = Manifest.read(out)
     report = {r["plugin"]: {x["rule"]: x["matches"] for x in r["rules"]} for r in m.report}
     assert report["topk"]["softmax-topk"] == 2 and sum(report["topk"].values()) == 2  # one router per layer
     assert all(c.ok for c in verify(qwen2_moe_tiny, out))

@@ -31,16 +31,28 @@ PLUGINS = "cast,legalize,topk,expand,kv"
 
 
 @pytest.fixture(scope="module")
-def folders(seed_fp32, tmp_path_factory):
+def _folders(seed_fp32, tmp_path_factory) -> dict:
+    return {"base": tmp_path_factory.mktemp("next_token"), "source": seed_fp32[0]}
+
+
+@pytest.fixture
+def folders(_folders):
     """name -> folder: ``t1`` (stateful, one token per call, --next-token), ``dyn`` (stateful, any token count,
-    --next-token), ``ort`` (the original model on ORT, --next-token)."""
-    base = tmp_path_factory.mktemp("next_token")
-    path = seed_fp32[0]
+    --next-token), ``ort`` (the original model on ORT, --next-token); each lowered once per module on first use, so
+    that an xdist worker lowers only those of the tests it runs."""
     opts = {"stateful": True, "next_token": True}
-    apply(path, base / "t1", plugins=PLUGINS, backend="iree", options=opts, dims={"seq_len": 1})
-    apply(path, base / "dyn", plugins=PLUGINS, backend="iree", options=opts)
-    apply(path, base / "ort", backend="ort", options={"next_token": True})
-    return {"t1": base / "t1", "dyn": base / "dyn", "ort": base / "ort", "source": path}
+    make = {"t1": lambda path, out: apply(path, out, plugins=PLUGINS, backend="iree", options=opts, dims={"seq_len": 1}),
+            "dyn": lambda path, out: apply(path, out, plugins=PLUGINS, backend="iree", options=opts),
+            "ort": lambda path, out: apply(path, out, backend="ort", options={"next_token": True})}
+
+    class Folders:
+        def __getitem__(self, name):
+            if name not in _folders:
+                make[name](_folders["source"], _folders["base"] / name)
+                _folders[name] = _folders["base"] / name
+            return _folders[name]
+
+    return Folders()
 
 
 def test_the_graph_gets_one_argmax_and_a_slice_only_for_many_tokens(seed_fp32, tmp_path):

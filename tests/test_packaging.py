@@ -17,9 +17,20 @@ KERNELS = {"rewrite/plugins/moe/kernels/moe_cpu.c", "rewrite/plugins/moe/kernels
            "rewrite/plugins/router/kernels/router_topk_cuda.cu", "rewrite/plugins/router/kernels/router_topk_cuda.sm_80.ptx"}
 
 
+def _untracked_top_level(folder: str, names: list[str]) -> set[str]:
+    """For copytree: at the checkout's top, what git does not track (local data beside the repository, which can
+    be large); everything when git cannot tell."""
+    if Path(folder) != ROOT:
+        return set()
+    r = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True)
+    tracked = {p.split("/", 1)[0] for p in r.stdout.splitlines()} if r.returncode == 0 else set()
+    return set(names) - tracked if tracked else set()
+
+
 def test_a_wheel_holds_the_kernels_and_lowers_topk_for_iree_without_the_repo(tmp_path):
     src = tmp_path / "src"  # a copy: building in the checkout would leave build/ there
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests", "benchmarks"))
+    skip = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests", "benchmarks")
+    shutil.copytree(ROOT, src, ignore=lambda folder, names: skip(folder, names) | _untracked_top_level(folder, names))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]

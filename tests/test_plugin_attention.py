@@ -12,7 +12,6 @@ import numpy as np
 import onnx
 import pytest
 
-from rewrite.backends.iree_census import census
 from rewrite.explain import preview
 from rewrite.generate import Generator
 from rewrite.pipeline import apply
@@ -70,7 +69,7 @@ def test_seed_form_fp16_on_iree(tmp_path):
 
 
 @pytest.mark.slow
-def test_cuda_lowering_compiles(tmp_path):
+def test_cuda_lowering_compiles(seed_fp16_qwen3_cuda_step):
     """iree --target cuda on the fp16 Qwen3 seed form: one dispatch of the shipped PTX kernel per layer for its
     head size, the mask's strides found at run time, and the module compiles (no GPU). In the stateful step
     iree-compile copies no cache at all: each attention reads the cache as loaded plus the new rows, and the
@@ -78,27 +77,23 @@ def test_cuda_lowering_compiles(tmp_path):
     attention reading the written cache a slot per layer: BENCHMARKS.md, "attention on CUDA")."""
     import seed_form
 
-    model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
-    path = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
     # a decode step, with rope: the rotated keys then come from a kernel iree-compile cannot fuse into the cache
     # write, so the write stays after the reads (a dynamic step, or one with IREE's own RoPE fused into the write,
-    # copies the whole state global once instead)
-    m = apply(path, tmp_path / "cuda", plugins="cast,rope,legalize,expand,kv,attention,topk,moe", backend="iree",
-              target="cuda", options={"stateful": True}, dims={"seq_len": 1})
+    # copies the whole state global once instead): the plugins cast,rope,legalize,expand,kv,attention,topk,moe
+    folder, m, counts = seed_fp16_qwen3_cuda_step
     (report,) = [r for r in m.report if r["plugin"] == "attention"]
     assert _rules(report) == {"grouped-attention": 2, "attention-reads-loaded-cache": 2}
-    mlir = (tmp_path / "cuda" / "model.mlir").read_text()
+    mlir = (folder / "model.mlir").read_text()
     d = seed_form.seed_config("fp16", arch="qwen3_moe").head_dim
     assert len(re.findall(rf"flow\.dispatch @attention_exec::@grouped_attention_f16_d{d}\[", mlir)) == 2
     assert any(k.startswith("kernels/attention_cuda-") for k in m.kernel_objects)
-    assert (tmp_path / "cuda" / "model.vmfb").stat().st_size > 0
+    assert (folder / "model.vmfb").stat().st_size > 0
     # the 4 cache writes (K and V of 2 layers, consecutive slots of one global) are one state-rows dispatch
     assert len(re.findall(r"flow\.dispatch @rewrite_state_rows_m4::@state_rows_m4\[", mlir)) == 1
     assert "call @rewrite_kv_state_write_" not in mlir and mlir.count("call @rewrite_kv_state_rows_") == 1
     assert any(k.startswith("kernels/state_rows_cuda-") for k in m.kernel_objects)
     (state,) = m.state
     slot_bytes = int(np.prod(state["shape"][1:])) * 2  # one cache (K or V of a layer), f16
-    counts = census(tmp_path / "cuda")
     assert counts["copy_bytes"] < slot_bytes  # what is left: a few hundred bytes of RoPE tables
     assert counts["bindings"] >= counts["dispatches"] + 5  # every dispatch reads one at least; the state rows 6
 

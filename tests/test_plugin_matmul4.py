@@ -33,10 +33,17 @@ def _ops(folder, op_type: str) -> int:
 
 
 @pytest.fixture(scope="module")
+def quant4_ref(seed_fp32, tmp_path_factory):
+    """The seed form after quant4 on ONNX Runtime (the reference): its 8 greedy tokens after PROMPT, with logits."""
+    ref = tmp_path_factory.mktemp("matmul4_ref") / "ref"
+    apply(seed_fp32[0], ref, plugins="quant4", backend="ort", options={"ort_matmul_nbits": False})
+    return Generator.reference(ref / "model.onnx").generate(PROMPT, 8)
+
+
+@pytest.fixture(scope="module")
 def quantized(seed_fp32, tmp_path_factory):
-    """The seed form after quant4 on ONNX Runtime (the reference), and its IREE llvm-cpu folder with matmul4."""
+    """The seed form's IREE llvm-cpu folder with matmul4 (``base / "iree"``) and its manifest."""
     base = tmp_path_factory.mktemp("matmul4")
-    apply(seed_fp32[0], base / "ref", plugins="quant4", backend="ort", options={"ort_matmul_nbits": False})
     m = apply(seed_fp32[0], base / "iree", plugins=FUSED, backend="iree", options={"stateful": True})
     return base, m
 
@@ -56,10 +63,10 @@ def test_every_dense_int4_matmul_is_fused(quantized):
     assert _ops(base / "iree", "DequantizeLinear") == 0  # the experts' go into FusedMoE, the dense ones here
 
 
-def test_iree_decodes_the_quantized_models_tokens(quantized):
+def test_iree_decodes_the_quantized_models_tokens(quantized, quant4_ref):
     base, _ = quantized
     got = Generator(base / "iree").generate(PROMPT, 8)
-    ref = Generator.reference(base / "ref" / "model.onnx").generate(PROMPT, 8)
+    ref = quant4_ref
     assert got.tokens == ref.tokens
     rel = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits))
     assert rel < 1e-4
@@ -190,7 +197,7 @@ def test_norm_epsilon_without_its_weight_is_a_clear_error(backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["ort", "iree"])
-def test_norm_prologues_after_the_norm_plugin(seed_fp32, tmp_path, backend):
+def test_norm_prologues_after_the_norm_plugin(seed_fp32, quant4_ref, tmp_path, backend):
     """With the ``norm`` plugin first (its RMSNorm ops, the order the full-size decode runs in) and the prologues
     forced on (their default is IREE cuda only): every input norm goes into its layer's q/k/v MatMulInt4, every
     post-attention norm into its router's product through the MoE block's Reshape and the final norm into the LM
@@ -198,7 +205,6 @@ def test_norm_prologues_after_the_norm_plugin(seed_fp32, tmp_path, backend):
     Runtime and IREE llvm-cpu lower the norms back)."""
     plugins = "cast,norm,quant4,matmul4,densemm,kv,topk,moe" + (",legalize,expand" if backend == "iree" else "")
     opts = {"matmul4": {"prologue": True}, "densemm": {"prologue": True}}
-    apply(seed_fp32[0], tmp_path / "ref", plugins="quant4", backend="ort", options={"ort_matmul_nbits": False})
     m = apply(seed_fp32[0], tmp_path / "p", plugins=plugins, backend=backend, options={**opts, "stateful": backend == "iree"})
     rules = {(r["plugin"], x["rule"]): x["matches"] for r in m.report for x in r["rules"]}
     layers = 2
@@ -208,6 +214,6 @@ def test_norm_prologues_after_the_norm_plugin(seed_fp32, tmp_path, backend):
     if backend == "iree":
         assert _ops(tmp_path / "p", "RMSNorm") == 0
     got = Generator(tmp_path / "p").generate(PROMPT, 8)
-    ref = Generator.reference(tmp_path / "ref" / "model.onnx").generate(PROMPT, 8)
+    ref = quant4_ref
     assert got.tokens == ref.tokens
     assert max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, ref.logits)) < 1e-4

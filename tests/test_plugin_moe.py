@@ -382,8 +382,28 @@ def test_seed_form_int4(tmp_path, seed_fp32, plugins, backend):
 FULL_CHAIN = ["quant4", "cast", "legalize", "expand", "kv", "topk", "moe"]
 
 
+@pytest.fixture(scope="module")
+def unfused_decode(tmp_path_factory):
+    """``src -> (signature, (tokens, logits))``: ``src`` after the chain without ``moe`` on ORT, decoded greedily
+    (32 steps after [1, 2, 3, 4, 5]), once per model for both backends' tests."""
+    import qwen_moe
+
+    made = {}
+
+    def get(src: Path):
+        if src not in made:
+            base = tmp_path_factory.mktemp("unfused") / "base"
+            apply(src, base, plugins=FULL_CHAIN[:-1], backend="ort")
+            sig = qwen_moe.decode_signature(base / "model.onnx")
+            made[src] = sig, qwen_moe.greedy_decode(load_runner(base).run, sig.input_names, sig.output_names,
+                                                    [1, 2, 3, 4, 5], 32, sig.kv_shape_per_layer, sig.dtype)
+        return made[src]
+
+    return get
+
+
 @pytest.mark.parametrize("arch,backend", [("qwen2_moe", "ort"), ("qwen2_moe", "iree"), ("qwen3_moe", "iree")])
-def test_full_chain_greedy_tokens_match_unfused_ort(tmp_path, request, arch, backend):
+def test_full_chain_greedy_tokens_match_unfused_ort(tmp_path, request, unfused_decode, arch, backend):
     """The full plugin chain gives the greedy tokens (32 steps) of the same chain without ``moe`` on ORT.
 
     (The baseline keeps legalize: quant4 alone vs quant4,legalize already differ by ~1e-2 in the logits on ORT,
@@ -391,39 +411,47 @@ def test_full_chain_greedy_tokens_match_unfused_ort(tmp_path, request, arch, bac
     import qwen_moe
 
     src = request.getfixturevalue(f"{arch}_tiny")
-    apply(src, tmp_path / "base", plugins=FULL_CHAIN[:-1], backend="ort")
-    man = apply(src, tmp_path / "fused", plugins=FULL_CHAIN, backend=backend)
+    sig, base_run = unfused_decode(src)
+    if arch == "qwen2_moe":  # the same apply as test_plugin_order's, made once
+        fused, man = request.getfixturevalue("qwen2_moe_tiny_applied")(",".join(FULL_CHAIN), backend)
+    else:
+        fused = tmp_path / "fused"
+        man = apply(src, fused, plugins=FULL_CHAIN, backend=backend)
     reports = {r["plugin"]: r for r in man.report}
     assert reports["topk"]["matches"] == 2 and reports["moe"]["matches"] == 2  # one router, one MoE per layer
-    sig = qwen_moe.decode_signature(tmp_path / "base" / "model.onnx")
-    runs = {}
-    for name in ("base", "fused"):
-        runner = load_runner(tmp_path / name)
-        runs[name] = qwen_moe.greedy_decode(runner.run, sig.input_names, sig.output_names, [1, 2, 3, 4, 5], 32,
-                                            sig.kv_shape_per_layer, sig.dtype)
-    assert runs["fused"][0] == runs["base"][0]
-    np.testing.assert_allclose(runs["fused"][1][-1], runs["base"][1][-1], atol=1e-4)
+    fused_run = qwen_moe.greedy_decode(load_runner(fused).run, sig.input_names, sig.output_names, [1, 2, 3, 4, 5], 32,
+                                       sig.kv_shape_per_layer, sig.dtype)
+    assert fused_run[0] == base_run[0]
+    np.testing.assert_allclose(fused_run[1][-1], base_run[1][-1], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen3_seed_q4(tmp_path_factory):
+    """The Qwen3-MoE seed form (fp16) and its quant4-only folder on ORT: (model path, folder)."""
+    import seed_form
+
+    base = tmp_path_factory.mktemp("qwen3_seed")
+    model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
+    src = seed_form.save_seed_model(model, base / "seed.onnx")
+    apply(src, base / "q4", plugins=["quant4"], backend="ort")
+    return src, base / "q4"
 
 
 @pytest.mark.parametrize("backend", ["ort", "iree"])
-def test_qwen3_seed_form_full_chain_decodes_like_its_quant4_model(tmp_path, backend):
+def test_qwen3_seed_form_full_chain_decodes_like_its_quant4_model(tmp_path, qwen3_seed_q4, backend):
     """The Qwen3-MoE seed form (INT4 experts, renormalized router, QK-norm) through the full chain: one router and
     one FusedMoE per layer, and every call's logits within float16 tolerance of the quant4-only model on ORT at
     the basic level, with the same 8 greedy tokens (the full-size run of BENCHMARKS.md, at toy size)."""
-    import seed_form
-
     from rewrite.generate import Generator
     from rewrite.verify import compare
 
-    model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
-    src = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
-    apply(src, tmp_path / "q4", plugins=["quant4"], backend="ort")
+    src, q4 = qwen3_seed_q4
     man = apply(src, tmp_path / "out", plugins=FULL_CHAIN, backend=backend)
     reports = {r["plugin"]: r for r in man.report}
     assert reports["topk"]["matches"] == 2 and reports["moe"]["matches"] == 2
     prompt = [11, 22, 33, 44, 55]
     res = Generator(tmp_path / "out").generate(prompt, 8)
-    ref = Generator.reference(tmp_path / "q4" / "model.onnx").replay(prompt, res.tokens)
+    ref = Generator.reference(q4 / "model.onnx").replay(prompt, res.tokens)
     assert [int(np.argmax(r[0, -1])) for r in ref] == res.tokens
     for got, want in zip(res.logits, ref):
         c = compare("logits", got, want)

@@ -42,7 +42,7 @@ def test_declarations_about_unselected_plugins_are_ignored():
 
 
 @pytest.mark.slow
-def test_one_plugin_list_serves_both_backends(qwen2_moe_tiny, tmp_path):
+def test_one_plugin_list_serves_both_backends(qwen2_moe_tiny, qwen2_moe_tiny_applied, tmp_path):
     """``quant4,cast,legalize,expand,kv,topk,moe`` for ort keeps the quantized MatMuls as MatMulNBits (legalize
     is not run there; it decomposed them into 13 float MatMuls), and for iree fuses the INT4 experts with their
     4-bit weights (legalize after moe; before, moe fused the decomposed float weights)."""
@@ -57,10 +57,10 @@ def test_one_plugin_list_serves_both_backends(qwen2_moe_tiny, tmp_path):
     q4 = tmp_path / "q4"
     apply(qwen2_moe_tiny, q4, plugins="quant4", backend="ort")
     for backend in ("ort", "iree"):
-        m = apply(qwen2_moe_tiny, tmp_path / backend, plugins=plugins, backend=backend)
+        out, m = qwen2_moe_tiny_applied(plugins, backend)  # apply(qwen2_moe_tiny, out, plugins=plugins, backend=backend)
         assert [r["plugin"] for r in m.report] == ["cast", "expand", "kv", "quant4", "topk", "moe", "legalize"]
         legalize = next(r for r in m.report if r["plugin"] == "legalize")
-        model = onnx.load(tmp_path / backend / "model.onnx", load_external_data=False)
+        model = onnx.load(out / "model.onnx", load_external_data=False)
         ops = collections.Counter(n.op_type for n in model.graph.node)
         if backend == "ort":
             assert legalize["matches"] == 0 and legalize["notes"][0].startswith("not run")
@@ -69,4 +69,4 @@ def test_one_plugin_list_serves_both_backends(qwen2_moe_tiny, tmp_path):
             assert legalize["matches"] > 0
             fused = [n for n in model.graph.node if n.op_type == "FusedMoE"]
             assert len(fused) == 2 and all(a.i == 128 for n in fused for a in n.attribute if a.name == "block_size")
-        assert all(c.ok for c in verify(q4 / "model.onnx", tmp_path / backend))
+        assert all(c.ok for c in verify(q4 / "model.onnx", out))

@@ -63,21 +63,19 @@ def test_seed_form_fp16_on_iree(tmp_path, arch, inputs):
 
 
 @pytest.mark.slow
-def test_cuda_step_launches(tmp_path):
+def test_cuda_step_launches(seed_fp16_qwen3_cuda_step, tmp_path):
     """iree --target cuda, the stateful one-token step of the fp16 Qwen3 seed form: one dispatch of the shipped
     kernel per layer (Q and K paired by rotary-embedding-pair), and 11 fewer dispatches per layer than
     iree-compile 3.13 makes of the q/k norms and RoPE with its own projections."""
     import seed_form
 
-    model, _ = seed_form.build_seed_model("fp16", arch="qwen3_moe")
-    path = seed_form.save_seed_model(model, tmp_path / "seed.onnx")
-    base = "cast,{}legalize,expand,kv,attention,topk,moe"
-    counts = {}
-    for name, plugins in (("rope", base.format("rope,")), ("own", base.format(""))):
-        apply(path, tmp_path / name, plugins=plugins, backend="iree", target="cuda", options={"stateful": True},
-              dims={"seq_len": 1})
-        counts[name] = census(tmp_path / name)
-    mlir = (tmp_path / "rope" / "model.mlir").read_text()
+    # with rope: the shared folder of cast,rope,legalize,expand,kv,attention,topk,moe; without it, lowered here
+    folder, m, with_rope = seed_fp16_qwen3_cuda_step
+    assert sorted(m.plugins) == sorted(["cast", "rope", "legalize", "expand", "kv", "attention", "topk", "moe"])
+    apply(folder.parent / "seed.onnx", tmp_path / "own", plugins="cast,legalize,expand,kv,attention,topk,moe",
+          backend="iree", target="cuda", options={"stateful": True}, dims={"seq_len": 1})
+    counts = {"rope": with_rope, "own": census(tmp_path / "own")}
+    mlir = (folder / "model.mlir").read_text()
     layers = seed_form.seed_config("fp16", arch="qwen3_moe").layers
     assert len(re.findall(r"flow\.dispatch @rope2_exec::@rotary_embedding2_f16_d\d+\[", mlir)) == layers
     assert "@rope_exec::" not in mlir

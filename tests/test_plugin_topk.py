@@ -91,42 +91,67 @@ E_VALUES, K_VALUES, T_VALUES = (8, 16, 60, 128), (1, 2, 4, 8), (1, 3, 63, 64, 65
 CONFIGS = [(e, k, mode, norm) for e in E_VALUES for k in K_VALUES for mode in ("softmax_topk", "topk_softmax") for norm in (0, 1)]
 
 
-def router_grid_model(x_dt: int, w_dt: int) -> onnx.ModelProto:
-    """One MoERouterTopK node per (E, k, mode, normalize) of CONFIGS; input x_E [T, E], outputs w_/i_<config>."""
-    nodes, outputs = [], []
-    for e, k, mode, norm in CONFIGS:
-        tag = f"{e}_{k}_{mode}_{norm}"
-        nodes.append(helper.make_node(MoERouterTopK.op_type, [f"x_{e}"], [f"w_{tag}", f"i_{tag}"], domain=DOMAIN,
-                                      name=f"router_{tag}", k=k, normalize=norm, mode=mode))
-        outputs += [helper.make_tensor_value_info(f"w_{tag}", w_dt, ["T", k]), helper.make_tensor_value_info(f"i_{tag}", TensorProto.INT64, ["T", k])]
-    g = helper.make_graph(nodes, "main_graph", [helper.make_tensor_value_info(f"x_{e}", x_dt, ["T", e]) for e in E_VALUES], outputs)
+#: the (x, w) dtypes of the grid, by test id
+DTYPE_PAIRS = {"f32-f32": (TensorProto.FLOAT, TensorProto.FLOAT), "f16-f32": (TensorProto.FLOAT16, TensorProto.FLOAT),
+               "f16-f16": (TensorProto.FLOAT16, TensorProto.FLOAT16), "f32-f16": (TensorProto.FLOAT, TensorProto.FLOAT16)}
+
+
+def router_grid_model(pairs: dict[str, tuple[int, int]]) -> onnx.ModelProto:
+    """For each (x, w) dtype pair of ``pairs`` (id -> pair): one MoERouterTopK node per (E, k, mode, normalize) of
+    CONFIGS; input x_<id>_E [T, E], outputs w_/i_<id>_<config> (``-`` in an id is ``_`` in the names)."""
+    nodes, inputs, outputs = [], [], []
+    for pid, (x_dt, w_dt) in pairs.items():
+        p = pid.replace("-", "_")
+        for e, k, mode, norm in CONFIGS:
+            tag = f"{p}_{e}_{k}_{mode}_{norm}"
+            nodes.append(helper.make_node(MoERouterTopK.op_type, [f"x_{p}_{e}"], [f"w_{tag}", f"i_{tag}"], domain=DOMAIN,
+                                          name=f"router_{tag}", k=k, normalize=norm, mode=mode))
+            outputs += [helper.make_tensor_value_info(f"w_{tag}", w_dt, ["T", k]), helper.make_tensor_value_info(f"i_{tag}", TensorProto.INT64, ["T", k])]
+        inputs += [helper.make_tensor_value_info(f"x_{p}_{e}", x_dt, ["T", e]) for e in E_VALUES]
+    g = helper.make_graph(nodes, "main_graph", inputs, outputs)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
 
 
-@pytest.mark.parametrize("x_dt,w_dt", [(TensorProto.FLOAT, TensorProto.FLOAT), (TensorProto.FLOAT16, TensorProto.FLOAT),
-                                       (TensorProto.FLOAT16, TensorProto.FLOAT16), (TensorProto.FLOAT, TensorProto.FLOAT16)],
-                         ids=["f32-f32", "f16-f32", "f16-f16", "f32-f16"])
-def test_kernel_on_iree_equals_reference(tmp_path, x_dt, w_dt):
-    path = tmp_path / "grid.onnx"
-    onnx.save(router_grid_model(x_dt, w_dt), path)
-    m = apply(path, tmp_path / "iree", backend="iree")
-    assert (tmp_path / "iree" / "model.mlir").read_text().count("flow.dispatch @router_topk_") == len(CONFIGS)
+def _np(dt: int):
+    return np.float16 if dt == TensorProto.FLOAT16 else np.float32
+
+
+@pytest.fixture(scope="module")
+def router_grid(tmp_path_factory):
+    """The grids of every dtype pair as one model lowered for IREE llvm-cpu (one compile for the four tests):
+    (manifest, MLIR text, runner)."""
+    folder = tmp_path_factory.mktemp("router_grid")
+    onnx.save(router_grid_model(DTYPE_PAIRS), folder / "grid.onnx")
+    m = apply(folder / "grid.onnx", folder / "iree", backend="iree")
+    return m, (folder / "iree" / "model.mlir").read_text(), load_runner(folder / "iree")
+
+
+@pytest.mark.parametrize("pair", list(DTYPE_PAIRS))
+def test_kernel_on_iree_equals_reference(router_grid, pair):
+    m, mlir, runner = router_grid
+    x_dt, w_dt = DTYPE_PAIRS[pair]
+    np_x, np_w = _np(x_dt), _np(w_dt)
+    entry = "router_topk_" + "_".join("f16" if dt == TensorProto.FLOAT16 else "f32" for dt in (x_dt, w_dt))
+    assert mlir.count(f"flow.dispatch @{entry}_exec::@{entry}[") == len(CONFIGS)
+    assert mlir.count("flow.dispatch @router_topk_") == len(DTYPE_PAIRS) * len(CONFIGS)
     assert len(m.kernel_objects) == 1
-    runner = load_runner(tmp_path / "iree")
-    np_x, np_w = (np.float16 if x_dt == TensorProto.FLOAT16 else np.float32), (np.float16 if w_dt == TensorProto.FLOAT16 else np.float32)
+    p = pair.replace("-", "_")
     rng = np.random.default_rng(x_dt * 10 + w_dt)
     for t in T_VALUES:
-        feeds = {f"x_{e}": (3 * rng.standard_normal((t, e))).astype(np_x) for e in E_VALUES}
-        feeds["x_8"][0] = 0.5  # a row of equal logits: indices 0..k-1
+        # the other pairs' inputs: zeros (their outputs are their own tests')
+        feeds = {f"x_{q.replace('-', '_')}_{e}": np.zeros((t, e), _np(dts[0])) for q, dts in DTYPE_PAIRS.items() for e in E_VALUES}
+        mine = {e: (3 * rng.standard_normal((t, e))).astype(np_x) for e in E_VALUES}
+        mine[8][0] = 0.5  # a row of equal logits: indices 0..k-1
+        feeds.update({f"x_{p}_{e}": x for e, x in mine.items()})
         got = runner.run(feeds)
         for e, k, mode, norm in CONFIGS:
             tag = f"{e}_{k}_{mode}_{norm}"
-            w, i = router_topk_reference(feeds[f"x_{e}"], k, norm, mode, np_w)
-            np.testing.assert_array_equal(got[f"i_{tag}"], i, err_msg=f"T={t} {tag}")
-            assert got[f"w_{tag}"].dtype == np_w
+            w, i = router_topk_reference(mine[e], k, norm, mode, np_w)
+            np.testing.assert_array_equal(got[f"i_{p}_{tag}"], i, err_msg=f"T={t} {tag}")
+            assert got[f"w_{p}_{tag}"].dtype == np_w
             rtol = 1e-6 if np_w == np.float32 else 1e-3
-            np.testing.assert_allclose(got[f"w_{tag}"], w, rtol=rtol, atol=0, err_msg=f"T={t} {tag}")
-        assert got["i_8_4_softmax_topk_0"][0].tolist() == [0, 1, 2, 3]
+            np.testing.assert_allclose(got[f"w_{p}_{tag}"], w, rtol=rtol, atol=0, err_msg=f"T={t} {tag}")
+        assert got[f"i_{p}_8_4_softmax_topk_0"][0].tolist() == [0, 1, 2, 3]
 
 
 def test_reference_ties_and_order_match_onnx_runtime_topk(tmp_path):

@@ -24,27 +24,39 @@ from rewrite.pipeline import apply
 PROMPT = [3, 141, 59, 26, 5]
 STEPS = 32
 MAX_SEQ = 40
+#: a deep decoder: the fewest layers whose caches need two globals (17 layers = 34 caches, more than a global's
+#: MAX_SLOTS_PER_GLOBAL = 32), each without the shared expert and the q/k/v biases (fewer dispatches to compile)
+DEEP = dict(layers=17, hidden=64, heads=2, kv_heads=2, head_dim=32, experts=4, top_k=2, moe_intermediate=64,
+            shared_intermediate=0, attn_bias=False, vocab=160, max_seq=16, block_size=32)
 
 
+SOURCES = {"qwen2_moe": "qwen2_moe_tiny", "qwen3_moe": "qwen3_moe_tiny", "seed": "seed_fp32"}  #: name -> source fixture
 
 
 @pytest.fixture(scope="module")
-def models(qwen2_moe_tiny, qwen3_moe_tiny, seed_fp32):
-    return {"qwen2_moe": qwen2_moe_tiny, "qwen3_moe": qwen3_moe_tiny, "seed": seed_fp32[0]}
+def _lowered_folders() -> dict:
+    return {}
 
 
-@pytest.fixture(scope="module")
-def lowered(models, tmp_path_factory):
-    """name -> (stateful IREE folder, ORT folder of the original model)."""
-    out = {}
-    for name, path in models.items():
-        base = tmp_path_factory.mktemp(name)
-        plugins = "cast,legalize,topk,expand,kv"
-        options = {"stateful": True} if name == "seed" else {"stateful": True, "kv": {"max_seq": MAX_SEQ}}
-        apply(path, base / "iree", plugins=plugins, backend="iree", options=options)
-        apply(path, base / "ort", backend="ort")
-        out[name] = (base / "iree", base / "ort")
-    return out
+@pytest.fixture
+def lowered(request, _lowered_folders, tmp_path_factory):
+    """name -> (stateful IREE folder, ORT folder of the original model), each lowered once per module on first use:
+    an xdist worker compiles only the models of the tests it runs."""
+
+    class Lowered:
+        def __getitem__(self, name):
+            if name not in _lowered_folders:
+                path = request.getfixturevalue(SOURCES[name])
+                path = path[0] if name == "seed" else path
+                base = tmp_path_factory.mktemp(name)
+                plugins = "cast,legalize,topk,expand,kv"
+                options = {"stateful": True} if name == "seed" else {"stateful": True, "kv": {"max_seq": MAX_SEQ}}
+                apply(path, base / "iree", plugins=plugins, backend="iree", options=options)
+                apply(path, base / "ort", backend="ort")
+                _lowered_folders[name] = (base / "iree", base / "ort")
+            return _lowered_folders[name]
+
+    return Lowered()
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "seed"])
@@ -157,18 +169,17 @@ def _decodes_like_ort_with_its_caches(folder, source, manifest, steps: int) -> N
 
 @pytest.mark.slow
 def test_a_deep_decoder_keeps_its_cache_in_several_globals(tmp_path):
-    """30 layers = 60 caches: in one global iree-compile 3.13 fails ("failed to solve for usage analysis"); split
-    into globals of 31 and 29 slots it compiles, decodes ORT's greedy tokens and holds ORT's caches."""
+    """17 layers = 34 caches, more than the 32 slots of one global (MAX_SLOTS_PER_GLOBAL: in one global of 60 caches,
+    a 30-layer decoder, iree-compile 3.13 fails with "failed to solve for usage analysis"): split into globals of 18
+    and 16 slots it compiles, decodes ORT's greedy tokens and holds ORT's caches."""
     import seed_form
 
-    model, _ = seed_form.build_seed_model("fp32", layers=30, hidden=64, heads=2, kv_heads=2, head_dim=32, experts=4,
-                                          top_k=2, moe_intermediate=64, shared_intermediate=64, vocab=160, max_seq=16,
-                                          block_size=32)
+    model, _ = seed_form.build_seed_model("fp32", **DEEP)
     path = seed_form.save_seed_model(model, tmp_path / "deep.onnx")
     m = apply(path, tmp_path / "iree", plugins="cast,legalize,topk,expand,kv", backend="iree", options={"stateful": True})
-    assert [(s["name"], s["shape"][0], len(s["entries"])) for s in m.state] == [("rewrite_kv_state", 31, 31), ("rewrite_kv_state_1", 29, 29)]
+    assert [(s["name"], s["shape"][0], len(s["entries"])) for s in m.state] == [("rewrite_kv_state", 18, 18), ("rewrite_kv_state_1", 16, 16)]
     pasts = [e["input"] for s in m.state for e in s["entries"]]
-    assert pasts == [f"past_{kind}_{i}" for i in range(30) for kind in ("key", "value")]
+    assert pasts == [f"past_{kind}_{i}" for i in range(17) for kind in ("key", "value")]
     _decodes_like_ort_with_its_caches(tmp_path / "iree", path, m, 8)
 
 
@@ -201,9 +212,7 @@ def test_a_deep_decoder_writes_its_cache_rows_in_few_dispatches_on_cuda(tmp_path
     import seed_form
     from rewrite.backends.iree_census import census
 
-    model, _ = seed_form.build_seed_model("fp16", layers=17, hidden=64, heads=2, kv_heads=2, head_dim=32, experts=4,
-                                          top_k=2, moe_intermediate=64, shared_intermediate=64, vocab=160, max_seq=16,
-                                          block_size=32)
+    model, _ = seed_form.build_seed_model("fp16", **DEEP)
     path = seed_form.save_seed_model(model, tmp_path / "deep.onnx")
     m = apply(path, tmp_path / "cuda", plugins="cast,rope,legalize,topk,expand,kv,attention", backend="iree", target="cuda",
               options={"stateful": True}, dims={"seq_len": 1})
@@ -217,7 +226,7 @@ def test_a_deep_decoder_writes_its_cache_rows_in_few_dispatches_on_cuda(tmp_path
     assert counts["copy_bytes"] < int(np.prod(m.state[0]["shape"][1:])) * 2  # less than one cache: no global copied
 
 
-def test_a_static_decode_step_records_its_command_buffer_once(models, tmp_path):
+def test_a_static_decode_step_records_its_command_buffer_once(seed_fp32, tmp_path):
     """With one token per call (static shapes), the step's command buffer is recorded once at module load and
     replayed (iree-compile's memoization): the KV cache write reads the position on the device (no host readback
     in the step), and the extern kernels bind their buffers indirectly. Checked in the VM module iree-compile
@@ -228,7 +237,7 @@ def test_a_static_decode_step_records_its_command_buffer_once(models, tmp_path):
     from iree.compiler.tools.binaries import find_tool
 
     folder = tmp_path / "t1"
-    apply(models["seed"], folder, plugins="cast,legalize,topk,expand,kv", backend="iree", dims={"seq_len": 1},
+    apply(seed_fp32[0], folder, plugins="cast,legalize,topk,expand,kv", backend="iree", dims={"seq_len": 1},
           options={"stateful": True})
     flags = (folder / "compile.log").read_text().split("\n", 1)[0].split()[4:]  # after "<tool> model.mlir -o model.vmfb"
     vm = tmp_path / "vm.mlir"
@@ -245,4 +254,4 @@ def test_a_static_decode_step_records_its_command_buffer_once(models, tmp_path):
     for _ in range(8):
         got.append(int(np.argmax(logits[0, -1])))
         logits = gen.step(np.array([[got[-1]]]))
-    assert got == Generator.reference(models["seed"]).generate(PROMPT, 8).tokens
+    assert got == Generator.reference(seed_fp32[0]).generate(PROMPT, 8).tokens

@@ -20,14 +20,17 @@ and, for every abstract op the plugin declares that has a ``sample_inputs(rng)``
 (:class:`~rewrite.core.abstract_ops.AbstractOp`), a ``kernel`` check per backend: each sample, lowered as a
 one-node model, equals ``reference()`` within the dtype tolerance.
 
-Expensive work is shared: a case is rewritten once and lowered once per backend, whatever checks read it
-(:class:`CaseRun`). :func:`checks_for` lists the checks; the pytest plugin
-(:mod:`rewrite.testing.pytest_plugin`) turns each into one test item.
+Expensive work is shared: a case is rewritten once, whatever checks read it (:class:`CaseRun`); the numerics
+checks of a plugin's cases read one model of them all, lowered once per backend, and a kernel check lowers its
+samples as one model. Whatever differs there is lowered again on its own, and that is what a failure reports.
+:func:`checks_for` lists the checks; the pytest plugin (:mod:`rewrite.testing.pytest_plugin`) turns each into one
+test item.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import compose, helper
 
 from rewrite.backends import get_backend, load_runner
 from rewrite.backends.base import Manifest
@@ -84,6 +87,7 @@ class CaseRun:
     def __init__(self, plugin: Plugin, case: Case, workdir: Path):
         self.plugin, self.case, self.workdir = plugin, case, Path(workdir)
         self._memo: dict[str, object] = {}
+        self._together: dict[str, _LoweredTogether] = {}  # backend -> the lowering it shares with other cases
 
     def _once(self, key: str, fn: Callable[[], object]):
         if key not in self._memo:
@@ -153,6 +157,92 @@ class CaseRun:
             return runner.run({k: v for k, v in feeds.items() if k in runner.input_names})
 
         return self._once(f"lowered:{backend}", run)
+
+
+class _LoweredTogether:
+    """The rewritten models of several cases of one plugin lowered as one model for ``backend`` (one import and
+    compile, not one per case): each model's names and dim symbols prefixed ``c<j>_``, its nodes side by side with
+    the others'. Cases that do not lower together (:func:`_lower_together`), or whose models cannot be merged
+    (local functions, subgraphs, sparse initializers; another opset or IR version goes in another group), get
+    None: they are lowered on their own.
+    """
+
+    def __init__(self, backend: str, workdir: Path, abstract_ops):
+        self.backend, self.workdir, self.abstract_ops = backend, Path(workdir), list(abstract_ops)
+        self.runs: list[CaseRun] = []
+        self._outputs: dict[CaseRun, dict[str, np.ndarray] | None] = {}
+
+    def outputs_of(self, run: CaseRun) -> dict[str, np.ndarray] | None:
+        """``run``'s outputs from the shared model. The first call lowers ``run`` with the cases after it not yet
+        lowered (those before it were checked elsewhere: pytest-xdist gives a worker consecutive items)."""
+        if run not in self._outputs:
+            todo = [r for r in self.runs[self.runs.index(run):] if r not in self._outputs]
+            self._outputs.update(dict.fromkeys(todo))
+            groups: dict[tuple, list] = {}
+            for r in todo:
+                try:
+                    model, feeds = r.rewritten().model, r.feeds()
+                except Exception:  # noqa: BLE001 - the case's own checks report it
+                    continue
+                subgraphs = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                for n in model.graph.node for a in n.attribute)
+                if model.functions or model.graph.sparse_initializer or subgraphs:
+                    continue
+                key = (model.ir_version, tuple(sorted((o.domain, o.version) for o in model.opset_import)))
+                groups.setdefault(key, []).append((self.runs.index(r), r, model, feeds))
+            for items in groups.values():
+                by_index = {it[0]: it for it in items}
+                got = _lower_together(list(by_index), "c", lambda js: self._lower([by_index[j] for j in js]))
+                self._outputs.update({by_index[j][1]: outs for j, outs in got.items()})
+        return self._outputs[run]
+
+    def _lower(self, items: list) -> dict[int, dict[str, np.ndarray]]:
+        graphs, feeds = [], {}
+        for j, _, model, f in items:
+            g = compose.add_prefix_graph(model.graph, f"c{j}_")
+            for vi in [*g.input, *g.output, *g.value_info]:
+                for d in vi.type.tensor_type.shape.dim:
+                    if d.dim_param:
+                        d.dim_param = f"c{j}_{d.dim_param}"
+            graphs.append(g)
+            feeds.update({f"c{j}_{k}": v for k, v in f.items()})
+        merged = helper.make_graph([n for g in graphs for n in g.node], "main_graph",
+                                   [v for g in graphs for v in g.input], [v for g in graphs for v in g.output],
+                                   [t for g in graphs for t in g.initializer],
+                                   value_info=[v for g in graphs for v in g.value_info])
+        model = helper.make_model(merged, opset_imports=list(items[0][2].opset_import), ir_version=items[0][2].ir_version)
+        folder = lower_graph(onnx_io.load(model), self.backend, self.workdir / "-".join(str(it[0]) for it in items),
+                             self.abstract_ops)
+        runner = load_runner(folder)
+        got = runner.run({k: v for k, v in feeds.items() if k in runner.input_names})
+        return {j: {o.name: got[f"c{j}_{o.name}"] for o in m.graph.output} for j, _, m, _ in items}
+
+
+def _lower_together(keys: list[int], tag: str, lower: Callable[[list[int]], dict], tries: int = 4) -> dict:
+    """``lower(group)`` (the results of a group of ``keys`` lowered as one model, by key) for as many of ``keys``
+    as lower together: a group whose lowering fails naming one of its members (``<tag><key>_`` in the message,
+    e.g. two lowerings that define one symbol differently) is tried again without it, and those left out form
+    the next group. A compile failure (each retry would cost one), a failure naming none, or ``tries`` failures
+    end sharing. Keys missing from the result are for the caller to lower alone, where their own errors show."""
+    from rewrite.backends.errors import IreeCompileError
+
+    done: dict = {}
+    todo = list(keys)
+    while len(todo) >= 2:
+        group, left = todo, []
+        while len(group) >= 2:
+            try:
+                done.update(lower(group))
+                break
+            except Exception as e:  # noqa: BLE001 - alone, the member's own error shows
+                tries -= 1
+                named = next((int(k) for k in re.findall(rf"(?<![\w-]){tag}(\d+)_", str(e)) if int(k) in group), None)
+                if named is None or isinstance(e, IreeCompileError) or tries <= 0:
+                    return done
+                group = [k for k in group if k != named]
+                left.append(named)
+        todo = left
+    return done
 
 
 @contextlib.contextmanager
@@ -245,7 +335,10 @@ def check_untouched(run: CaseRun) -> None:
 
 def check_numerics(run: CaseRun, backend: str) -> None:
     ref = run.reference()
-    got = run.lowered(backend)
+    shared = run._together[backend].outputs_of(run) if backend in run._together else None
+    if shared is not None and all(n in shared and compare(n, shared[n], ref[n], run.case.rtol).ok for n in ref):
+        return
+    got = run.lowered(backend)  # the case's own model: what a failure reports
     missing = sorted(set(ref) - set(got))
     if missing:
         _fail(run, f"numerics-{backend}", f"output '{missing[0]}' missing from the rewritten model")
@@ -292,14 +385,25 @@ def check_kernel(op: AbstractOp, backend: str, workdir: Path, seed: int = 0) -> 
     """Lower each ``op.sample_inputs(rng)`` sample as a one-node model for ``backend``; compare with ``reference``.
     A sample input ``None`` is an absent optional input (``""`` in the node, ``None`` to ``reference``).
 
+    The samples are first lowered together, a node each in one model (one import and compile, not one per
+    sample; :func:`_lower_together`); a sample that fails there, or did not lower with the others, is checked on
+    its own, so what is reported is always that of the sample's one-node model.
+
     Raises ConformanceFailure naming op, sample (attrs and input shapes) and the differing output.
     """
     rng = np.random.default_rng(seed)
-    for k, (attrs, inputs) in enumerate(op.sample_inputs(rng)):
+    workdir = Path(workdir)
+    samples = []
+    for attrs, inputs in op.sample_inputs(rng):
         inputs = [None if x is None else np.asarray(x) for x in inputs]
-        ref = [np.asarray(r) for r in op.reference(attrs, *inputs)]
+        samples.append((attrs, inputs, [np.asarray(r) for r in op.reference(attrs, *inputs)]))
+    together = _lower_together(list(range(len(samples))), "s",
+                               lambda ks: _run_samples_together(op, backend, workdir, samples, ks))
+    for k, (attrs, inputs, ref) in enumerate(samples):
+        if k in together and all(compare(f"out{i}", together[k][f"out{i}"], r).ok for i, r in enumerate(ref)):
+            continue
         model = single_op_model(op, attrs, inputs, ref)
-        folder = lower_graph(onnx_io.load(model), backend, Path(workdir) / f"{op.op_type}-{backend}-{k}", [op])
+        folder = lower_graph(onnx_io.load(model), backend, workdir / f"{op.op_type}-{backend}-{k}", [op])
         runner = load_runner(folder)
         got = runner.run({f"in{i}": x for i, x in enumerate(inputs) if x is not None})
         for i, r in enumerate(ref):
@@ -307,6 +411,30 @@ def check_kernel(op: AbstractOp, backend: str, workdir: Path, seed: int = 0) -> 
             if not c.ok:
                 shapes = [None if x is None else list(x.shape) for x in inputs]
                 raise ConformanceFailure(f"abstract op {op.op_type} on {backend}, sample {k} (attrs {attrs}, input shapes {shapes}): {c.line()}")
+
+
+def _run_samples_together(op: AbstractOp, backend: str, workdir: Path, samples: list, ks: list[int]) -> dict[int, dict]:
+    """Sample ``k`` -> its outputs ``out<i>``, for the samples ``ks`` lowered for ``backend`` as one model of a node
+    per sample (node ``s<k>_<op_type>``, inputs ``s<k>_in<i>``, outputs ``s<k>_out<i>``)."""
+    nodes, inputs, outputs = [], [], []
+    for k in ks:
+        attrs, ins, ref = samples[k]
+        one = single_op_model(op, attrs, ins, ref)
+        rename = {v.name: f"s{k}_{v.name}" for v in [*one.graph.input, *one.graph.output]}
+        for n in one.graph.node:
+            n.name = f"s{k}_{n.name}"
+            n.input[:] = [rename.get(x, x) for x in n.input]
+            n.output[:] = [rename[x] for x in n.output]
+        for v in [*one.graph.input, *one.graph.output]:
+            v.name = rename[v.name]
+        nodes += one.graph.node
+        inputs += one.graph.input
+        outputs += one.graph.output
+    model = helper.make_model(helper.make_graph(nodes, "main_graph", inputs, outputs), opset_imports=list(one.opset_import))
+    folder = lower_graph(onnx_io.load(model), backend, workdir / f"{op.op_type}-{backend}-{'-'.join(map(str, ks))}", [op])
+    runner = load_runner(folder)
+    got = runner.run({f"s{k}_in{i}": x for k in ks for i, x in enumerate(samples[k][1]) if x is not None})
+    return {k: {f"out{i}": got[f"s{k}_out{i}"] for i in range(len(samples[k][2]))} for k in ks}
 
 
 def single_op_model(op: AbstractOp, attrs: dict, inputs: list[np.ndarray | None], outputs: list[np.ndarray]) -> onnx.ModelProto:
@@ -325,10 +453,14 @@ def single_op_model(op: AbstractOp, attrs: dict, inputs: list[np.ndarray | None]
 def checks_for(plugin: Plugin, workdir: Path) -> list[Check]:
     """Every conformance check of ``plugin``, in a stable order: per case (declaration order) then kernels.
 
-    Checks of one case share a :class:`CaseRun`, so the case is rewritten once and compiled once per backend.
+    Checks of one case share a :class:`CaseRun`, so the case is rewritten once and compiled once per backend; the
+    numerics checks of a backend first read the outputs of the plugin's cases lowered together (one compile for
+    them all, :class:`_LoweredTogether`), and a case whose outputs differ there is lowered on its own.
     """
     out: list[Check] = []
     workdir = Path(workdir)
+    together = {be: _LoweredTogether(be, workdir / _safe(plugin.short) / f"together-{be}", plugin.abstract_ops)
+                for be in plugin.backends}
     for case in plugin.cases:
         run = CaseRun(plugin, case, workdir / _safe(plugin.short) / _safe(case.name))
 
@@ -339,6 +471,8 @@ def checks_for(plugin: Plugin, workdir: Path) -> list[Check]:
             add("matches", check_matches, run)
             for be in case.backends:
                 if be in plugin.backends:
+                    together[be].runs.append(run)
+                    run._together[be] = together[be]
                     add(f"numerics-{be}", check_numerics, run, be)
             add("idempotent", check_idempotent, run)
             add("checker", check_checker, run)

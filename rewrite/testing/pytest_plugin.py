@@ -11,7 +11,8 @@ add ``-p rewrite.testing.pytest_plugin``.
 
 Items are named ``rewrite-conformance::<plugin>/<case>/<check>`` and appended to whatever else pytest
 collects, so they run alongside a package's own tests and obey ``-k``, ``-x`` and ``--lf``. The checks
-are those of :mod:`rewrite.testing.conformance`; items of one case share its rewrite and compiles.
+are those of :mod:`rewrite.testing.conformance`; items of one case share its rewrite, and the numerics items
+of one plugin their compiles.
 
 Without either option the plugin adds nothing. Test modules can also generate the items themselves with
 :func:`conformance_params` (that is how this project's own CI runs the built-in plugins).
