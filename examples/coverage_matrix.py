@@ -130,8 +130,9 @@ def run_isolated(row: Row, out: Path, steps: int, extra: tuple[str, ...] = ()) -
     return row
 
 
-def run_row(row: Row, out: Path, steps: int, extra: tuple[str, ...] = ()) -> Row:
-    """Export, match, verify and decode one row (module docstring); ``extra``: plugins added to both backends."""
+def run_row(row: Row, out: Path, steps: int, extra: tuple[str, ...] = (), exported: Path | None = None) -> Row:
+    """Export, match, verify and decode one row (module docstring); ``extra``: plugins added to both backends;
+    ``exported``: the row's export already made (``moe_families.export`` of the same model), used as it is."""
     import torch
 
     t0 = time.time()
@@ -142,7 +143,7 @@ def run_row(row: Row, out: Path, steps: int, extra: tuple[str, ...] = ()) -> Row
                                    dtype=torch.float16 if row.dtype == "fp16" else torch.float32)
         row.moe_layers = moe_layer_count(model)
         try:
-            path = moe_families.export(model, row.exporter, folder / "export")
+            path = exported or moe_families.export(model, row.exporter, folder / "export")
         except Exception as e:  # the exporter's own failure: reported, not ours to fix
             row.reason = f"export failed: {type(e).__name__}: {one_line(e)}"
             row.seconds = time.time() - t0

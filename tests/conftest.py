@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -12,11 +14,75 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 
+def _shared_root(tmp_path_factory) -> Path:
+    """The temp folder every pytest-xdist worker of this run sees (the run's base temp without workers)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _built_once(tmp_path_factory, key: str, make) -> Path:
+    """``make(folder)`` (a path inside ``folder``) run once per test run for ``key``: the first pytest-xdist worker to
+    ask builds it under a file lock in the run's shared temp folder, the others wait and reuse it (pytest-xdist's
+    pattern for session data). Tests read what is built there and never change it."""
+    import json
+
+    from filelock import FileLock
+
+    root = _shared_root(tmp_path_factory) / "built-once"
+    root.mkdir(parents=True, exist_ok=True)
+    folder, marker = root / key, root / f"{key}.json"
+    with FileLock(str(root / f"{key}.lock")):
+        if marker.exists():
+            return folder / json.loads(marker.read_text())["path"]
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        made = Path(make(folder))
+        marker.write_text(json.dumps({"path": str(made.relative_to(folder))}))
+        return made
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _iree_compile_cache(tmp_path_factory):
+    """Every iree-compile of the run (in the workers and the command-line runs they start) reuses the module of the
+    same inputs compiled before in the run, whichever worker compiled it (``REWRITE_IREE_COMPILE_CACHE``). A test
+    that must see the compiler run removes the variable (monkeypatch)."""
+    from rewrite.backends.iree_toolchain import COMPILE_CACHE_ENV
+
+    before = os.environ.get(COMPILE_CACHE_ENV)
+    os.environ[COMPILE_CACHE_ENV] = str(_shared_root(tmp_path_factory) / "iree-compile-cache")
+    yield
+    if before is None:
+        os.environ.pop(COMPILE_CACHE_ENV, None)
+    else:
+        os.environ[COMPILE_CACHE_ENV] = before
+
+
 def _export(tmp_path_factory, name: str, build, export) -> Path:
-    """``export(build(), folder)`` with the exporters' warnings silenced, into a session folder named ``name``."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return export(build(), tmp_path_factory.mktemp(name))
+    """``export(build(), folder)`` with the exporters' warnings silenced, once per test run (:func:`_built_once`)."""
+
+    def make(folder: Path) -> Path:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return export(build(), folder)
+
+    return _built_once(tmp_path_factory, name, make)
+
+
+@pytest.fixture(scope="session")
+def family_export(tmp_path_factory):
+    """``family_export(family, exporter="hf", experts="batched_mm", dtype="fp32") -> Path``: the tiny ``family``
+    model of examples/moe_families.py exported once per test run, shared by the coverage matrix and the tests that
+    read the same export."""
+    import moe_families
+    import torch
+
+    def get(family: str, exporter: str = "hf", experts: str = "batched_mm", dtype: str = "fp32") -> Path:
+        torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
+        return _export(tmp_path_factory, f"{family}.{exporter}.{experts}.{dtype}",
+                       lambda: moe_families.build(family, experts=experts, dtype=torch_dtype),
+                       lambda model, folder: moe_families.export(model, exporter, folder))
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -54,14 +120,10 @@ def qwen2_moe_tiny_dynamo(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen2_moe_tiny_grouped_mm(tmp_path_factory) -> Path:
+def qwen2_moe_tiny_grouped_mm(family_export) -> Path:
     """The tiny Qwen1.5-MoE decoder (fp32) with transformers' default ``grouped_mm`` experts, exported by
     transformers' exporter: tokens sorted by expert, one MatMul per expert."""
-    import moe_families
-
-    return _export(tmp_path_factory, "qwen2_moe_tiny_grouped_mm",
-                   lambda: moe_families.build("qwen2_moe", experts="grouped_mm"),
-                   lambda model, folder: moe_families.export(model, "hf", folder))
+    return family_export("qwen2_moe", "hf", "grouped_mm")
 
 
 @pytest.fixture
@@ -85,13 +147,10 @@ def router_onnx(tmp_path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gpt_oss_tiny(tmp_path_factory) -> Path:
+def gpt_oss_tiny(family_export) -> Path:
     """The tiny gpt-oss decoder (fp32; a sliding-window layer of 16 positions, then a full-attention layer)
     exported by transformers' exporter: the two layers' caches carry different past-length symbols."""
-    import moe_families
-
-    return _export(tmp_path_factory, "gpt_oss_tiny", lambda: moe_families.build("gpt_oss"),
-                   lambda model, folder: moe_families.export(model, "hf", folder))
+    return family_export("gpt_oss")
 
 
 @pytest.fixture(scope="session")

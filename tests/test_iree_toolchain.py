@@ -10,6 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from rewrite.backends.errors import BackendError
 from rewrite.backends.iree_toolchain import (
+    COMPILE_CACHE_ENV,
     DRIVER_FOR_TARGET,
     ImportResult,
     IreeCompileError,
@@ -296,3 +297,41 @@ def test_params_written_file_to_file_equal_the_importers(tmp_path):
     blob = (tmp_path / "ours.irpa").read_bytes()
     for name, (offset, length) in ours.param_spans.items():
         assert blob[offset:offset + length] == arrays[name].tobytes(), name
+
+
+def test_compile_cache_reuses_a_module_only_for_the_same_inputs(tmp_path, monkeypatch):
+    """With REWRITE_IREE_COMPILE_CACHE set, the second compile of the same MLIR and flags copies the stored module
+    (the log says so, the module runs the same); other flags, or other bytes of a file the MLIR names, compile
+    again; a failed compile stores nothing."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(cache))
+    path = _save(
+        tmp_path, "mm",
+        [helper.make_node("MatMul", ["X", "W"], ["Y"])],
+        [helper.make_tensor_value_info("X", F32, ["N", 8])],
+        [helper.make_tensor_value_info("Y", F32, ["N", 4])],
+        [numpy_helper.from_array(np.arange(32, dtype=np.float32).reshape(8, 4), "W")],
+    )
+    result = import_onnx(path, tmp_path / "mm.mlir", params_path=None)
+    (tmp_path / "obj.bin").write_bytes(b"one")  # a file the MLIR names, as kernel objects are named
+    with open(result.mlir_path, "a") as f:
+        f.write('\n// path = "obj.bin"\n')
+    compiled = []
+    for k, flags in enumerate([(), (), ("--iree-opt-strip-assertions",), ()]):
+        if k == 3:
+            (tmp_path / "obj.bin").write_bytes(b"two")
+        out = tmp_path / f"out{k}" / "mm.vmfb"
+        compile_mlir(result.mlir_path, out, extra_flags=flags)
+        compiled.append("not compiled" not in (out.parent / "compile.log").read_text())
+        module = IreeModule(out, driver=DRIVER_FOR_TARGET["llvm-cpu"])
+        x = np.ones((2, 8), np.float32)
+        np.testing.assert_array_equal(module(x)[0], x @ np.arange(32, dtype=np.float32).reshape(8, 4))
+    assert compiled == [True, False, True, True]
+    assert (tmp_path / "out1" / "mm.vmfb").read_bytes() == (tmp_path / "out0" / "mm.vmfb").read_bytes()
+    assert len(list(cache.glob("*.vmfb"))) == 3 and not list(cache.glob("*.part"))
+
+    bad = tmp_path / "bad.mlir"
+    bad.write_text("func.func @f() { this is not MLIR }\n")
+    with pytest.raises(IreeCompileError):
+        compile_mlir(bad, tmp_path / "bad" / "bad.vmfb")
+    assert len(list(cache.glob("*.vmfb"))) == 3

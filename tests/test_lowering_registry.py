@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from rewrite.backends.iree_toolchain import COMPILE_CACHE_ENV
 from rewrite.core.lowering import Lowering, LoweringError, LoweringRegistry
 from rewrite.plugins.manager import lowering_registry
 from rewrite.testing.conformance import registered_lowerings
@@ -110,9 +111,10 @@ def test_a_second_lowering_for_a_taken_slot_names_both_packages(qwen2_moe_tiny, 
 
 
 @pytest.mark.parametrize("backend", ["ort", "iree"])
-def test_two_runs_write_the_same_bytes(tmp_path, backend, qwen2_moe_tiny):
+def test_two_runs_write_the_same_bytes(tmp_path, backend, qwen2_moe_tiny, monkeypatch):
     """Different output folder names and hash seeds, the same folder contents (kernels copied in, paths
-    relative, value_info in a fixed order)."""
+    relative, value_info in a fixed order). Both runs compile: no module reused from a compile cache."""
+    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
     plugins = "kv,topk,moe" if backend == "iree" else "quant4,kv,topk,moe"
     outs = []
     for k in (1, 2):

@@ -122,17 +122,11 @@ def test_sliding_window_caches_with_their_own_past_length_become_one_static_cach
     assert max(rel) < 1e-4, rel
 
 
-def test_a_cache_trimmed_to_its_window_that_shares_the_past_dim_is_refused(tmp_path):
+def test_a_cache_trimmed_to_its_window_that_shares_the_past_dim_is_refused(family_export):
     """gpt-oss through ``torch.onnx.export(dynamo=True)``: the sliding-window layer's present is its Concat
     trimmed by a Slice (not a growing cache), and its past shares the full layers' dim ``past``. Converting only
     the full layers would leave a graph that fails inside ONNX Runtime; the plugin refuses and leaves it as it was."""
-    import warnings
-
-    import moe_families
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        path = moe_families.export(moe_families.build("gpt_oss"), "dynamo", tmp_path / "dyn")
+    path = family_export("gpt_oss", "dynamo")
     g = onnx_io.load(path)
     infer_shapes(g)
     snap = onnx_io.to_model(g).SerializeToString()

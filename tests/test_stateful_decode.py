@@ -183,17 +183,11 @@ def test_a_deep_decoder_keeps_its_cache_in_several_globals(tmp_path):
     _decodes_like_ort_with_its_caches(tmp_path / "iree", path, m, 8)
 
 
-def test_caches_of_two_types_get_globals_of_their_own(tmp_path):
+def test_caches_of_two_types_get_globals_of_their_own(tmp_path, family_export):
     """DeepSeek-V3's MLA caches (transformers' export): keys [1, 1, S, 16] (no-rope and rope head dims), values
     [1, 1, S, 8]. The keys share one global and the values another; the step decodes ORT's greedy tokens on the
     original (logits within 1e-4 relative) and the globals hold the original's caches."""
-    import warnings
-
-    import moe_families
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        path = moe_families.export(moe_families.build("deepseek_v3"), "hf", tmp_path / "src")
+    path = family_export("deepseek_v3")
     m = apply(path, tmp_path / "iree", plugins="kv,topk,moe", backend="iree", options={"stateful": True, "kv": {"max_seq": 24}})
     assert [(s["name"], s["shape"], [e["input"] for e in s["entries"]]) for s in m.state] == [
         ("rewrite_kv_state", [2, 1, 1, 24, 16], ["past_key_values.layers.0.keys", "past_key_values.layers.1.keys"]),

@@ -22,9 +22,12 @@ Facts about the importer (iree-base-compiler 3.13) that callers rely on:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,6 +271,10 @@ def compile_mlir(
     ``vmfb_path`` (overwritten by every compile into that directory). iree-compile runs in ``mlir_path``'s
     folder: relative object paths in the MLIR (``#hal.executable.object<{path = "kernels/x.o"}>``) resolve there.
 
+    With the environment variable ``REWRITE_IREE_COMPILE_CACHE`` naming a folder, a module compiled before from the
+    same inputs (:func:`_compile_key`) is copied from there instead of compiled again, and a new one is stored
+    there; ``compile.log`` then says which cached module it is.
+
     Raises:
         ValueError: ``target`` is unknown.
         IreeCompileError: iree-compile failed; the one-line message names ``mlir_path``, the first
@@ -283,15 +290,51 @@ def compile_mlir(
     # run in the MLIR's folder with relative paths: kernel objects the MLIR names relative to its folder
     # resolve there, and neither the log nor the module's locations record where the folder was made
     cmd = [_iree_compile_binary(), mlir_path.name, "-o", os.path.relpath(vmfb_path, mlir_path.parent), *flags]
+    log_path = vmfb_path.parent / "compile.log"
+    cache = os.environ.get(COMPILE_CACHE_ENV)
+    cached = Path(cache) / f"{_compile_key(mlir_path, flags)}.vmfb" if cache else None
+    if cached is not None and cached.is_file():
+        shutil.copyfile(cached, vmfb_path)
+        log_path.write_text(" ".join(cmd) + f"\n\nnot compiled: the same inputs' module reused from {cached}\n")
+        return
     with stage("iree compile"):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=mlir_path.parent)
-    log_path = vmfb_path.parent / "compile.log"
     log_path.write_text(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0 or not vmfb_path.exists():
         raise IreeCompileError(
             f"iree-compile ({target}) of {mlir_path} failed: "
             f"{_failure_summary(proc.returncode, proc.stderr)} [full log: {log_path}]"
         )
+    if cached is not None:  # stored whole or not at all: a copy renamed into place
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        part = cached.with_name(f"{cached.name}.{os.getpid()}.part")
+        shutil.copyfile(vmfb_path, part)
+        os.replace(part, cached)
+
+
+#: environment variable: a folder of compiled modules that :func:`compile_mlir` reuses by their inputs
+COMPILE_CACHE_ENV = "REWRITE_IREE_COMPILE_CACHE"
+
+
+def _compile_key(mlir_path: Path, flags: Sequence[str]) -> str:
+    """SHA-256 (hex) of what iree-compile's output depends on: the compiler's version, the flags (with
+    ``target-cpu=host``, this CPU's model and feature flags), the MLIR text and the bytes of every file it names
+    with ``path = "..."`` (kernel objects, relative to its folder)."""
+    from iree.compiler import version as compiler_version
+
+    h = hashlib.sha256()
+    h.update(f"{compiler_version.VERSION}\0{compiler_version.REVISIONS}\0".encode())
+    h.update("\0".join(flags).encode())
+    if any(f.endswith("-cpu=host") for f in flags):
+        cpuinfo = Path("/proc/cpuinfo")
+        lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else [platform.processor()]
+        h.update("\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode())
+    text = mlir_path.read_bytes()
+    h.update(text)
+    for name in sorted(set(re.findall(rb'path = "([^"]+)"', text))):
+        named = mlir_path.parent / name.decode()
+        h.update(b"\0" + name + b"\0" + (named.read_bytes() if named.is_file() else b"(missing)"))
+    return h.hexdigest()
 
 
 def _iree_compile_binary() -> str:
