@@ -43,6 +43,7 @@ from rewrite.core.stages import stage
 
 __all__ = [
     "BackendError",
+    "COMPILE_CACHE_ENV",
     "DRIVER_FOR_TARGET",
     "PARAMS_SCOPE",
     "ImportResult",
