@@ -22,8 +22,9 @@ def _shared_root(tmp_path_factory) -> Path:
 
 def _built_once(tmp_path_factory, key: str, make) -> Path:
     """``make(folder)`` (a path inside ``folder``) run once per test run for ``key``: the first pytest-xdist worker to
-    ask builds it under a file lock in the run's shared temp folder, the others wait and reuse it (pytest-xdist's
-    pattern for session data). Tests read what is built there and never change it."""
+    ask builds it under a file lock in the run's shared temp folder, the others wait (up to 30 minutes) and reuse
+    it (pytest-xdist's pattern for session data); a build that failed fails every later ask at once, with its
+    error. Tests read what is built there and never change it."""
     import json
 
     from filelock import FileLock
@@ -31,12 +32,19 @@ def _built_once(tmp_path_factory, key: str, make) -> Path:
     root = _shared_root(tmp_path_factory) / "built-once"
     root.mkdir(parents=True, exist_ok=True)
     folder, marker = root / key, root / f"{key}.json"
-    with FileLock(str(root / f"{key}.lock")):
+    with FileLock(str(root / f"{key}.lock"), timeout=1800):
         if marker.exists():
-            return folder / json.loads(marker.read_text())["path"]
+            done = json.loads(marker.read_text())
+            if "error" in done:
+                raise RuntimeError(f"building {key} failed earlier in this run: {done['error']}")
+            return folder / done["path"]
         shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir()
-        made = Path(make(folder))
+        folder.mkdir(exist_ok=True)
+        try:
+            made = Path(make(folder))
+        except Exception as e:
+            marker.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            raise
         marker.write_text(json.dumps({"path": str(made.relative_to(folder))}))
         return made
 

@@ -327,8 +327,13 @@ def test_compile_cache_reuses_a_module_only_for_the_same_inputs(tmp_path, monkey
         x = np.ones((2, 8), np.float32)
         np.testing.assert_array_equal(module(x)[0], x @ np.arange(32, dtype=np.float32).reshape(8, 4))
     assert compiled == [True, False, True, True]
-    assert (tmp_path / "out1" / "mm.vmfb").read_bytes() == (tmp_path / "out0" / "mm.vmfb").read_bytes()
-    assert len(list(cache.glob("*.vmfb"))) == 3 and not list(cache.glob("*.part"))
+    assert "iree-compile" in (tmp_path / "out1" / "compile.log").read_text().splitlines()[0]  # the command first
+    monkeypatch.delenv(COMPILE_CACHE_ENV)
+    (tmp_path / "obj.bin").write_bytes(b"one")
+    compile_mlir(result.mlir_path, tmp_path / "fresh" / "mm.vmfb")  # what the reused module must equal
+    assert (tmp_path / "out1" / "mm.vmfb").read_bytes() == (tmp_path / "fresh" / "mm.vmfb").read_bytes()
+    assert len(list(cache.glob("*.vmfb"))) == len(list(cache.glob("*.log"))) == 3 and not list(cache.glob(".*.part"))
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(cache))
 
     bad = tmp_path / "bad.mlir"
     bad.write_text("func.func @f() { this is not MLIR }\n")

@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,8 +274,10 @@ def compile_mlir(
     folder: relative object paths in the MLIR (``#hal.executable.object<{path = "kernels/x.o"}>``) resolve there.
 
     With the environment variable ``REWRITE_IREE_COMPILE_CACHE`` naming a folder, a module compiled before from the
-    same inputs (:func:`_compile_key`) is copied from there instead of compiled again, and a new one is stored
-    there; ``compile.log`` then says which cached module it is.
+    same inputs (:func:`_compile_key`) is copied from there instead of compiled again (``compile.log``: the command,
+    the compiler output of that compile, then a line naming the cache entry), and a new one is stored there with
+    its output. Flags that make iree-compile write other files (``dump``) bypass the cache; a cache that cannot be
+    written to is skipped, not an error.
 
     Raises:
         ValueError: ``target`` is unknown.
@@ -293,10 +296,12 @@ def compile_mlir(
     cmd = [_iree_compile_binary(), mlir_path.name, "-o", os.path.relpath(vmfb_path, mlir_path.parent), *flags]
     log_path = vmfb_path.parent / "compile.log"
     cache = os.environ.get(COMPILE_CACHE_ENV)
-    cached = Path(cache) / f"{_compile_key(mlir_path, flags)}.vmfb" if cache else None
-    if cached is not None and cached.is_file():
+    key = _compile_key(cmd[0], mlir_path, flags) if cache and not any("dump" in f for f in flags) else None
+    cached = Path(os.path.abspath(cache)) / f"{key}.vmfb" if key else None
+    if cached is not None and cached.is_file() and cached.with_suffix(".log").is_file():
         shutil.copyfile(cached, vmfb_path)
-        log_path.write_text(" ".join(cmd) + f"\n\nnot compiled: the same inputs' module reused from {cached}\n")
+        log_path.write_text(" ".join(cmd) + "\n\n" + cached.with_suffix(".log").read_text()
+                            + f"\n(not compiled again: the module of compile-cache entry {key})\n")
         return
     with stage("iree compile"):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=mlir_path.parent)
@@ -306,30 +311,50 @@ def compile_mlir(
             f"iree-compile ({target}) of {mlir_path} failed: "
             f"{_failure_summary(proc.returncode, proc.stderr)} [full log: {log_path}]"
         )
-    if cached is not None:  # stored whole or not at all: a copy renamed into place
+    if cached is not None:
+        _store(cached, vmfb_path, proc.stdout + proc.stderr)
+
+
+def _store(cached: Path, vmfb_path: Path, output: str) -> None:
+    """The module at ``cached`` (its compiler output beside it, ``.log``), each file whole or not at all: a copy
+    renamed into place, the log first (a module is read only with its log). A cache that cannot be written is
+    skipped: the compile itself succeeded."""
+    parts = []
+    try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        part = cached.with_name(f"{cached.name}.{os.getpid()}.part")
-        shutil.copyfile(vmfb_path, part)
-        os.replace(part, cached)
+        for dest, write in ((cached.with_suffix(".log"), lambda f: f.write(output.encode())),
+                            (cached, lambda f: f.write(vmfb_path.read_bytes()))):
+            fd, part = tempfile.mkstemp(dir=cached.parent, prefix=f".{cached.stem[:16]}-", suffix=".part")
+            parts.append(part)
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+            os.replace(part, dest)
+    except OSError:
+        for part in parts:
+            Path(part).unlink(missing_ok=True)
 
 
 #: environment variable: a folder of compiled modules that :func:`compile_mlir` reuses by their inputs
 COMPILE_CACHE_ENV = "REWRITE_IREE_COMPILE_CACHE"
 
 
-def _compile_key(mlir_path: Path, flags: Sequence[str]) -> str:
-    """SHA-256 (hex) of what iree-compile's output depends on: the compiler's version, the flags (with
-    ``target-cpu=host``, this CPU's model and feature flags), the MLIR text and the bytes of every file it names
-    with ``path = "..."`` (kernel objects, relative to its folder)."""
+def _compile_key(tool: str, mlir_path: Path, flags: Sequence[str]) -> str:
+    """SHA-256 (hex) of what iree-compile's output depends on: the compiler (its package's version, the binary's
+    path, size and modification time), the flags (with a ``--iree-llvmcpu-target-cpu*=host`` flag, this machine's
+    architecture and CPU model and feature lines of /proc/cpuinfo), the MLIR text and the bytes of every file it
+    names with ``path = "..."`` (kernel objects, relative to its folder)."""
     from iree.compiler import version as compiler_version
 
     h = hashlib.sha256()
-    h.update(f"{compiler_version.VERSION}\0{compiler_version.REVISIONS}\0".encode())
+    st = os.stat(tool)
+    h.update(f"{compiler_version.VERSION}\0{compiler_version.REVISIONS}\0{tool}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     h.update("\0".join(flags).encode())
-    if any(f.endswith("-cpu=host") for f in flags):
+    if any(f.startswith("--iree-llvmcpu-target-cpu") and f.endswith("=host") for f in flags):
         cpuinfo = Path("/proc/cpuinfo")
-        lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else [platform.processor()]
-        h.update("\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode())
+        lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+        cpu = {ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU implementer", "CPU part",
+                                                    "CPU variant"))}
+        h.update("\n".join([platform.machine(), platform.processor(), *sorted(cpu)]).encode())
     text = mlir_path.read_bytes()
     h.update(text)
     for name in sorted(set(re.findall(rb'path = "([^"]+)"', text))):

@@ -423,7 +423,9 @@ class FusedMoE(AbstractOp):
             lines += [f"    {n}_i32 = arith.index_cast {n} : index to i32" for n in scalar_names]
             scalar_names = [f"{n}_i32" for n in scalar_names]
         scalars = ", ".join(scalar_names)
-        name = f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['b1']}{'_sh' if shared else ''}"
+        # named by every binding size its executable declares (one module may hold FusedMoE ops of several shapes)
+        name = (f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['s2']}_{S['z2']}"
+                f"_{S['b1']}_{S['b2']}{'_sh' if shared else ''}")
         launches = (ctx.options.get("moe") or {}).get("launches", 2)  # the moe plugin's option (checked there)
         if launches not in (1, 2) or isinstance(launches, bool):
             raise BackendError(f"FusedMoE {op.where}: option moe.launches={launches!r}; 1 or 2 expected")
