@@ -17,7 +17,9 @@ gives the kernels the experts and weights, as the ``topk`` router does in the se
 route from the router logits.
 Where the source has ``moe_fused_f16`` (the one-launch kernel) its row ``NAME/1`` follows: one launch per layer on
 the 1-D grid of both halves' workgroups, checked against the reference before and after it is timed (its
-counters must be back at zero after every launch).
+counters must be back at zero after every launch). Where it has ``moe_sliced16_f16`` / ``moe_sliced32_f16`` (the
+one-launch kernels of benchmarks/variants/moe_sliced.cu, not shipped) rows ``NAME/s16`` and ``NAME/s32`` follow,
+checked three times: before timing, once more (the first launch's sums must have been zeroed) and after it.
 ``LAYERS`` weight sets (more bytes than the L2 holds) are used in turn, so each launch reads its weights from
 HBM, as a decode step does. ``ITERS`` launches are captured in a CUDA graph and its replays timed with CUDA
 events (the median of ``REPS``), so the host's launch rate is not measured.
@@ -119,6 +121,12 @@ def main() -> int:
             v["fused"] = mod.get_function("moe_fused_f16")
         except Exception:
             v["fused"] = None
+        v["sliced"] = {}
+        for sl in (16, 32):  # the sliced one-launch kernels, in sources that have them
+            try:
+                v["sliced"][sl] = mod.get_function(f"moe_sliced{sl}_f16")
+            except Exception:
+                pass
     bw = copy_bandwidth(cp)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; {ITERS} launches per CUDA graph, median of {args.reps} replays")
     for v in variants:
@@ -210,6 +218,30 @@ def main() -> int:
                 print(f"{name:<18} {t:>2} {v['name']:<12} {us['gate_up']:>8.1f} {us['down']:>8.1f} {both:>8.1f} "
                       f"{total / 1e6:>6.2f} {total / both / 1e3:>6.0f} {total / both / 1e3 / (bw / 1e9):>8.1%}  {check}",
                       flush=True)
+                for sl, kern in v["sliced"].items():
+                    if h * sl // 2 > 32768:  # SLICE_DOWN_BYTES: the slice's down codes in shared memory
+                        continue
+
+                    def one_sliced(layer, kern=kern, sl=sl):  # moe_sliced: T * k * ceil(I / S) workgroups, site 0
+                        d = layers[layer][1]
+                        kern((t * k * -(-i // sl),), (CUDA_THREADS,),
+                             (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
+                              dummy_b, dummy_b, out, *consts, np.int32(0)))
+
+                    checks = []
+                    for rep in range(3):  # before timing, again (the sums zeroed by the first), and after it
+                        if rep == 2:
+                            us1 = timed(cp, [lambda n=n: one_sliced(n % LAYERS) for n in range(ITERS)], args.reps)
+                        out[...] = 0
+                        one_sliced(0)
+                        cp.cuda.Device().synchronize()
+                        got = cp.asnumpy(out).astype(np.float64)
+                        checks.append(float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max())))
+                    err = max(checks)
+                    check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (sliced; {len(checks)} checks)"
+                    print(f"{name:<18} {t:>2} {v['name'] + '/s' + str(sl):<12} {'':>8} {'':>8} {us1:>8.1f} "
+                          f"{total / 1e6:>6.2f} {total / us1 / 1e3:>6.0f} {total / us1 / 1e3 / (bw / 1e9):>8.1%}  {check}",
+                          flush=True)
                 if v["fused"] is None:
                     continue
 
