@@ -7,32 +7,20 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import compose, helper
+from onnx import helper
 
 from rewrite.backends import load_runner
 from rewrite.pipeline import apply
 from rewrite.plugins.moe.cases import hf_block
 from rewrite.plugins.router.grouped import grouped_router_model
-
-
-def _side_by_side(models: dict[str, onnx.ModelProto]) -> onnx.ModelProto:
-    """One model running ``models`` side by side, names prefixed ``<key>_``, one shared token dim ``T``."""
-    graphs = []
-    for prefix, m in models.items():
-        g = compose.add_prefix_graph(m.graph, f"{prefix}_")
-        for v in [*g.input, *g.output]:
-            for d in v.type.tensor_type.shape.dim:
-                if d.dim_param:
-                    d.dim_param = "T"
-        graphs.append(g)
-    g = helper.make_graph([n for g in graphs for n in g.node], "main_graph", [v for g in graphs for v in g.input],
-                          [v for g in graphs for v in g.output], [t for g in graphs for t in g.initializer])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+from rewrite.testing.conformance import side_by_side
 
 
 def test_two_moe_layers_and_two_grouped_routers_of_different_shapes_share_a_module(tmp_path):
-    model = _side_by_side({"a": hf_block(h=32, i=16, e=8), "b": hf_block(h=40, i=24, e=6, seed=1),
-                           "c": grouped_router_model(), "d": grouped_router_model(e=12, n_group=6, topk_group=3, k=3)})
+    # one token dim T for all; opset 21 (the grouped router's own is 18)
+    model = side_by_side({"a": hf_block(h=32, i=16, e=8), "b": hf_block(h=40, i=24, e=6, seed=1),
+                          "c": grouped_router_model(), "d": grouped_router_model(e=12, n_group=6, topk_group=3, k=3)},
+                         dim_param=lambda key, sym: "T", opset_imports=[helper.make_opsetid("", 21)])
     onnx.save(model, tmp_path / "m.onnx")
     out = tmp_path / "iree"
     apply(tmp_path / "m.onnx", out, plugins=["topk", "moe"], backend="iree")

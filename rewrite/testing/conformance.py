@@ -197,25 +197,36 @@ class _LoweredTogether:
         return self._outputs[run]
 
     def _lower(self, items: list) -> dict[int, dict[str, np.ndarray]]:
-        graphs, feeds = [], {}
-        for j, _, model, f in items:
-            g = compose.add_prefix_graph(model.graph, f"c{j}_")
-            for vi in [*g.input, *g.output, *g.value_info]:
-                for d in vi.type.tensor_type.shape.dim:
-                    if d.dim_param:
-                        d.dim_param = f"c{j}_{d.dim_param}"
-            graphs.append(g)
-            feeds.update({f"c{j}_{k}": v for k, v in f.items()})
-        merged = helper.make_graph([n for g in graphs for n in g.node], "main_graph",
-                                   [v for g in graphs for v in g.input], [v for g in graphs for v in g.output],
-                                   [t for g in graphs for t in g.initializer],
-                                   value_info=[v for g in graphs for v in g.value_info])
-        model = helper.make_model(merged, opset_imports=list(items[0][2].opset_import), ir_version=items[0][2].ir_version)
+        model = side_by_side({f"c{j}": m for j, _, m, _ in items})
+        feeds = {f"c{j}_{k}": v for j, _, _, f in items for k, v in f.items()}
         folder = lower_graph(onnx_io.load(model), self.backend, self.workdir / "-".join(str(it[0]) for it in items),
                              self.abstract_ops)
         runner = load_runner(folder)
         got = runner.run({k: v for k, v in feeds.items() if k in runner.input_names})
         return {j: {o.name: got[f"c{j}_{o.name}"] for o in m.graph.output} for j, _, m, _ in items}
+
+
+def side_by_side(models: dict[str, onnx.ModelProto], dim_param: Callable[[str, str], str] | None = None,
+                 opset_imports: list | None = None) -> onnx.ModelProto:
+    """One model running ``models`` side by side: each one's graph with its names prefixed ``<key>_``
+    (``onnx.compose.add_prefix_graph``) and its dim symbols renamed ``dim_param(key, symbol)`` (default
+    ``<key>_<symbol>``: every model keeps dims of its own), then their nodes, inputs, outputs, initializers and
+    value_info one after another. Opset imports: ``opset_imports``, else the first model's; IR version the first's.
+    The models must not have local functions, sparse initializers or subgraphs (the caller checks)."""
+    rename = dim_param or (lambda key, sym: f"{key}_{sym}")
+    graphs = []
+    for key, model in models.items():
+        g = compose.add_prefix_graph(model.graph, f"{key}_")
+        for vi in [*g.input, *g.output, *g.value_info]:
+            for d in vi.type.tensor_type.shape.dim:
+                if d.dim_param:
+                    d.dim_param = rename(key, d.dim_param)
+        graphs.append(g)
+    merged = helper.make_graph([n for g in graphs for n in g.node], "main_graph", [v for g in graphs for v in g.input],
+                               [v for g in graphs for v in g.output], [t for g in graphs for t in g.initializer],
+                               value_info=[v for g in graphs for v in g.value_info])
+    first = next(iter(models.values()))
+    return helper.make_model(merged, opset_imports=list(opset_imports or first.opset_import), ir_version=first.ir_version)
 
 
 def _lower_together(keys: list[int], tag: str, lower: Callable[[list[int]], dict], tries: int = 4) -> dict:
