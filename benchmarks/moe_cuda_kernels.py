@@ -184,6 +184,14 @@ def main() -> int:
                       f"{2 * half / copy_us / 1e3:>6.0f} {2 * half / copy_us / 1e3 / (bw / 1e9):>8.1%}  "
                       "(a copy of as many bytes, read + write)")
                 del bufs
+            def error_of(launch_layer0) -> float:
+                """Relative error against the reference of ``out`` after ``launch_layer0(0)`` (out zeroed first)."""
+                out[...] = 0
+                launch_layer0(0)
+                cp.cuda.Device().synchronize()
+                got = cp.asnumpy(out).astype(np.float64)
+                return float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
+
             for v in variants:
                 gate_up, down = v["kernels"]
                 grid1 = (t, -(-i // -(-v["gate"] // k)))
@@ -200,12 +208,7 @@ def main() -> int:
                         down(grid2, (CUDA_THREADS,), (dl, given, act, d["fc2"], d["s2"], d["z2"], dummy_b, *shared, out,
                                                       *consts))
 
-                out[...] = 0
-                launch("gate_up", 0)
-                launch("down", 0)
-                cp.cuda.Device().synchronize()
-                got = cp.asnumpy(out).astype(np.float64)
-                err = float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
+                err = error_of(lambda layer: (launch("gate_up", layer), launch("down", layer)))
                 check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'}"
                 if args.once:
                     print(f"{name:<18} {t:>2} {v['name']:<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
@@ -232,11 +235,7 @@ def main() -> int:
                     for rep in range(3):  # before timing, again (the sums zeroed by the first), and after it
                         if rep == 2:
                             us1 = timed(cp, [lambda n=n: one_sliced(n % LAYERS) for n in range(ITERS)], args.reps)
-                        out[...] = 0
-                        one_sliced(0)
-                        cp.cuda.Device().synchronize()
-                        got = cp.asnumpy(out).astype(np.float64)
-                        checks.append(float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max())))
+                        checks.append(error_of(one_sliced))
                     err = max(checks)
                     check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (sliced; {len(checks)} checks)"
                     print(f"{name:<18} {t:>2} {v['name'] + '/s' + str(sl):<12} {'':>8} {'':>8} {us1:>8.1f} "
@@ -253,18 +252,10 @@ def main() -> int:
 
                 checks = []
                 for _ in range(2):  # the second launch finds the counters the first one set back
-                    out[...] = 0
-                    one(0)
-                    cp.cuda.Device().synchronize()
-                    got = cp.asnumpy(out).astype(np.float64)
-                    checks.append(float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max())))
+                    checks.append(error_of(one))
                 if not args.once:
                     us1 = timed(cp, [lambda n=n: one(n % LAYERS) for n in range(ITERS)], args.reps)
-                    out[...] = 0  # and after thousands of launches
-                    one(0)
-                    cp.cuda.Device().synchronize()
-                    got = cp.asnumpy(out).astype(np.float64)
-                    checks.append(float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max())))
+                    checks.append(error_of(one))  # and after thousands of launches
                 err = max(checks)
                 check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (one launch; {len(checks)} checks)"
                 if args.once:

@@ -48,25 +48,6 @@ __device__ __forceinline__ void cp_async(void* smem, const void* g) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(g), "n"(NB) : "memory");
 }
 
-// sum over the 8 * NW codes of NW 32-bit words of (code - zp) * vector: dot32's arithmetic on NW of its 4 quarters
-template <int NW>
-__device__ __forceinline__ float dot_words(const uint32_t (&words)[NW], const uint4 (&xv)[4], __half2 zh) {
-  float acc = 0.f;
-#pragma unroll
-  for (int m = 0; m < NW; ++m) {
-    const __half2* xp = reinterpret_cast<const __half2*>(&xv[m]);
-    __half2 s = __float2half2_rn(0.f);
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      uint32_t b = ((words[m] >> (4 * n)) & 0x000F000Fu) | 0x64006400u;
-      s = __hfma2(__hsub2(*reinterpret_cast<const __half2*>(&b), zh), xp[n], s);
-    }
-    float2 f = __half22float2(s);
-    acc += f.x + f.y;
-  }
-  return acc;
-}
-
 template <int S, typename T>
 __device__ void sliced(const T* __restrict__ x, const T* __restrict__ logits, const long long* __restrict__ given,
                        const void* __restrict__ w1, const T* __restrict__ s1, const uint8_t* __restrict__ z1,

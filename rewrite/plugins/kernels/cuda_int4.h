@@ -30,15 +30,13 @@ __device__ __forceinline__ void staged_piece(const __half2* sh, int np, int P, u
   for (int m = 0; m < 4; ++m) xv[m] = reinterpret_cast<const uint4*>(sh)[m * np + P];
 }
 
-// sum over the 32 codes of one 16-byte load of (code - zp) * vector, the vector's 16 half2 in xv; zh = 1024 + zp.
-__device__ __forceinline__ float dot32(uint4 wv, const uint4 (&xv)[4], __half2 zh) {
-#ifdef NO_DOT  // a variant for the kernel benchmarks: the loads without the arithmetic
-  return __uint_as_float((wv.x ^ wv.y ^ wv.z ^ wv.w ^ xv[0].x) & 0x3f7fffffu);
-#endif
-  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+// sum over the 8 * NW codes of NW 32-bit words of (code - zp) * vector, word m against the staged quarter xv[m]
+// (NW = 4: one 16-byte piece); zh = 1024 + zp.
+template <int NW>
+__device__ __forceinline__ float dot_words(const uint32_t (&words)[NW], const uint4 (&xv)[4], __half2 zh) {
   float acc = 0.f;
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
+  for (int m = 0; m < NW; ++m) {
     const __half2* xp = reinterpret_cast<const __half2*>(&xv[m]);
     __half2 s = __float2half2_rn(0.f);
 #pragma unroll
@@ -50,6 +48,15 @@ __device__ __forceinline__ float dot32(uint4 wv, const uint4 (&xv)[4], __half2 z
     acc += f.x + f.y;
   }
   return acc;
+}
+
+// sum over the 32 codes of one 16-byte load of (code - zp) * vector, the vector's 16 half2 in xv; zh = 1024 + zp.
+__device__ __forceinline__ float dot32(uint4 wv, const uint4 (&xv)[4], __half2 zh) {
+#ifdef NO_DOT  // a variant for the kernel benchmarks: the loads without the arithmetic
+  return __uint_as_float((wv.x ^ wv.y ^ wv.z ^ wv.w ^ xv[0].x) & 0x3f7fffffu);
+#endif
+  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+  return dot_words<4>(words, xv, zh);
 }
 
 // One chunk of R rows (byte pointers to packed rows of Kd codes, their scale and zero-point rows; zrow null: zero
