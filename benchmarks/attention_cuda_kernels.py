@@ -16,8 +16,10 @@ CUDA graph and its replays timed with CUDA events (``timed`` of benchmarks/moe_c
 (``--variant NAME=SOURCE[,MACRO[=V]...]``, repeatable) is another version of the kernel source with the same launch
 interface, with macros passed to nvcc (``parse_variant`` of benchmarks/moe_cuda_kernels.py); the variants run side
 by side on the same caches, so their times compare directly. Bytes per call: the visible K and V rows of every K/V
-head, Q, Y and the mask rows. Then the conformance kit's samples of the op (f32 and f16, every mask form) through
-each variant's kernel. Exits 1 when an output is off its reference.
+head, Q, Y and the mask rows. Each case runs with each of ``--splits`` (1, and the lowering's ``cuda_splits``: a
+decode row's positions over several workgroups, merged by the last), checked before and after it is timed. Then the
+conformance kit's samples of the op (f32 and f16, every mask form) through each variant's kernel, with one split and
+with the lowering's. Exits 1 when an output is off its reference.
 """
 
 from __future__ import annotations
@@ -47,12 +49,15 @@ COLD_BYTES = 256 << 20  #: K/V bytes cycled per graph: several times the L2 (50 
 def main() -> int:
     import cupy as cp
 
-    from rewrite.plugins.attention.op import CUDA_THREADS, GroupedAttention
+    from rewrite.plugins.attention.op import CUDA_THREADS, GroupedAttention, cuda_splits
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=REPS)
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=SOURCE[,MACRO[=V]...] (repeatable; default: the shipped source)")
+    ap.add_argument("--splits", default="1,auto",
+                    help="splits of a row's positions to time each case with: numbers, or auto (the lowering's "
+                         "cuda_splits); comma-separated")
     args = ap.parse_args()
     shipped = ROOT / "rewrite/plugins/attention/kernels/attention_cuda.cu"
     variants = [parse_variant(v, 0, 0) for v in args.variant] or [dict(name="shipped", source=shipped, defines=[])]
@@ -79,7 +84,6 @@ def main() -> int:
             mask = np.where(np.arange(s)[None, :] <= pos, 0.0, -np.inf).astype(np.float16)[None, None]
             dq, dmask, y = cp.asarray(q), cp.asarray(mask), cp.zeros((1, hq, t, d), cp.float16)
             scale = d ** -0.5
-            grid = (hq, t, 1)
             # the step's rows apart from the cache as loaded (the attention-reads-loaded-cache form): T rows at
             # visible - T, read from k_new/v_new
             consts = [np.int32(c) for c in (t, s, hq, hkv, 0, 0, s, 1,  # T, S, Hq, Hkv, msb, msh, mst, has_mask
@@ -88,13 +92,17 @@ def main() -> int:
             position = cp.asarray(np.array([visible - t], np.int64))
             k0, v0 = (cp.asnumpy(x) for x in caches[0])
             want = GroupedAttention().reference({"scale": scale}, q, k0, v0, mask)[0].astype(np.float64)
-            for vname, mod in mods.items():
+            splits = sorted({cuda_splits(1, hq, t, s) if p == "auto" else int(p) for p in args.splits.split(",")})
+            for (vname, mod), p in ((vm, p) for vm in mods.items() for p in splits):
                 kernel = mod.get_function(f"grouped_attention_f16_d{d}")
+                part = cp.empty(hq * t * p * (d + 2), cp.float32)
+                tail = (np.int32(p), np.int32(0))  # splits, site
+                vname = f"{vname}/{p}"
 
-                def launch(layer: int, kernel=kernel) -> None:
+                def launch(layer: int, kernel=kernel, part=part, tail=tail, p=p) -> None:
                     k, v = caches[layer]
                     kn, vn = news[layer]
-                    kernel(grid, (CUDA_THREADS,), (dq, k, v, dmask, kn, vn, position, y, *consts))
+                    kernel((hq * p, t, 1), (CUDA_THREADS,), (dq, k, v, dmask, kn, vn, position, y, part, *consts, *tail))
 
                 y[...] = 0
                 launch(0)
@@ -104,6 +112,12 @@ def main() -> int:
                 ok = err <= 1e-2
                 failed += not ok
                 us = timed(cp, [lambda i=i: launch(i % layers) for i in range(max(ITERS, layers))], args.reps)
+                y[...] = 0  # and after thousands of launches (the tickets set back by every one)
+                launch(0)
+                cp.cuda.Device().synchronize()
+                err = max(err, float(np.abs(cp.asnumpy(y).astype(np.float64) - want).max() / max(1e-6, np.abs(want).max())))
+                if ok and err > 1e-2:
+                    ok, failed = False, failed + 1
                 nbytes = 2 * hkv * visible * d * 2 + q.nbytes + y.nbytes + mask.nbytes
                 print(f"{name:<8} {hq:>3} {hkv:>3} {t:>4} {s:>5} {visible:>5} {vname:<8} {us:>8.1f} {nbytes / 1e6:>7.2f} "
                       f"{nbytes / us / 1e3:>6.0f} {nbytes / us / 1e3 / (bw / 1e9):>8.1%}  rel. error {err:.1e} "
@@ -119,7 +133,7 @@ def check_samples(cp, mod) -> int:
     """The conformance kit's samples of GroupedAttention (grouped and plain heads, decode and prefill rows, masks
     of [1, 1, T, S], [B, 1, T, S] and [1, Hq, T, S], none; f32 and f16) through the kernel, against the reference
     (float32 1e-4, float16 1e-2 relative to the largest output). Returns the number that are off."""
-    from rewrite.plugins.attention.op import CUDA_THREADS, GroupedAttention
+    from rewrite.plugins.attention.op import CUDA_THREADS, GroupedAttention, cuda_splits
 
     op = GroupedAttention()
     failed = 0
@@ -140,15 +154,18 @@ def check_samples(cp, mod) -> int:
         dummy = cp.zeros(1, q.dtype)
         dmask = cp.asarray(mask) if mask is not None else dummy
         news = (cp.asarray(k_new), cp.asarray(v_new), cp.asarray(position)) if n_new else (dummy, dummy, cp.zeros(1, cp.int64))
-        mod.get_function(f"grouped_attention_{el}_d{d}")((hq, t, b), (CUDA_THREADS,),
-                                                         (cp.asarray(q), cp.asarray(k), cp.asarray(v), dmask, *news, y, *consts))
         want = op.reference(attrs, q, k, v, mask, k_new, v_new, position)[0].astype(np.float64)
-        err = float(np.abs(cp.asnumpy(y).astype(np.float64) - want).max() / max(1e-6, np.abs(want).max()))
-        ok = err <= (1e-2 if el == "f16" else 1e-4)
-        failed += not ok
-        print(f"sample {n}: Q {list(q.shape)} K {list(k.shape)} mask {None if mask is None else list(mask.shape)} "
-              f"new rows {n_new} {el}: "
-              f"rel. error {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+        for p in sorted({1, cuda_splits(b, hq, t, k.shape[2])}):  # one split, and the lowering's
+            y[...] = 0
+            part = cp.empty(b * hq * t * p * (d + 2), cp.float32)
+            mod.get_function(f"grouped_attention_{el}_d{d}")(
+                (hq * p, t, b), (CUDA_THREADS,),
+                (cp.asarray(q), cp.asarray(k), cp.asarray(v), dmask, *news, y, part, *consts, np.int32(p), np.int32(0)))
+            err = float(np.abs(cp.asnumpy(y).astype(np.float64) - want).max() / max(1e-6, np.abs(want).max()))
+            ok = err <= (1e-2 if el == "f16" else 1e-4)
+            failed += not ok
+            print(f"sample {n}: Q {list(q.shape)} K {list(k.shape)} mask {None if mask is None else list(mask.shape)} "
+                  f"new rows {n_new} {el}, {p} split(s): rel. error {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
     return failed
 
 

@@ -85,7 +85,11 @@ def test_cuda_lowering_compiles(seed_fp16_qwen3_cuda_step):
     assert _rules(report) == {"grouped-attention": 2, "attention-reads-loaded-cache": 2}
     mlir = (folder / "model.mlir").read_text()
     d = seed_form.seed_config("fp16", arch="qwen3_moe").head_dim
-    assert len(re.findall(rf"flow\.dispatch @attention_exec::@grouped_attention_f16_d{d}\[", mlir)) == 2
+    dispatches = re.findall(rf"flow\.dispatch @attention_exec::@grouped_attention_f16_d{d}\[.*", mlir)
+    assert len(dispatches) == 2
+    # split-KV: its f32 scratch result and the dispatch site as the last push constant, sites 0 and 1
+    assert all(re.search(rf"-> \(tensor<1x\d+x1x{d}xf16>, tensor<\?xf32>", line) for line in dispatches)
+    assert sorted(re.search(r", %c(\d+)_i32(?:_\d+)?\) :", line).group(1) for line in dispatches) == ["0", "1"]
     assert any(k.startswith("kernels/attention_cuda-") for k in m.kernel_objects)
     assert (folder / "model.vmfb").stat().st_size > 0
     # the 4 cache writes (K and V of 2 layers, consecutive slots of one global) are one state-rows dispatch
@@ -141,3 +145,17 @@ def test_cuda_target_refuses_head_sizes_the_kernel_lacks(tmp_path):
         (report,) = preview(path, "attention", backend="iree", target=target)
         assert _rules(report.to_json())["grouped-attention"] == matches
     assert "the CUDA kernel is built for (32, 64, 128, 256)" in json.dumps(preview(path, "attention", backend="iree", target="cuda")[0].to_json())
+
+
+def test_cuda_splits_of_a_decode_row():
+    """Split-KV on the CUDA kernel: a decode row's key positions over CUDA_SPLIT_WORKGROUPS // (B * Hq) workgroups
+    (the seeds' models: 4 for Qwen3-30B-A3B's 32 query heads, 8 for Qwen1.5-MoE's 16), never fewer positions than
+    warps per workgroup, and one split for prefill rows or more rows than the tickets cover."""
+    from rewrite.plugins.attention.op import CUDA_SPLIT_ROWS, cuda_splits
+
+    assert cuda_splits(1, 32, 1, 256) == 4 and cuda_splits(1, 16, 1, 4096) == 8
+    assert cuda_splits(1, 4, 1, 32) == 2  # a tiny model's 32-slot cache: 16 warps a split
+    assert cuda_splits(1, 4, 1, 8) == 1
+    assert cuda_splits(1, 32, 128, 256) == 1  # prefill: its rows fill the GPU already
+    assert cuda_splits(2, 200, 1, 4096) == 1  # 400 rows: no workgroups left to split over
+    assert cuda_splits(CUDA_SPLIT_ROWS, 2, 1, 4096) == 1

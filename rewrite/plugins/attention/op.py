@@ -33,7 +33,8 @@ Lowerings: ONNX Runtime (CPU and CUDA) gets the decomposition back (the K/V head
 Reshape when Hq > Hkv); IREE llvm-cpu ``linalg.generic`` ops over the grouped view [B, Hkv, G, T, D] of Q (no
 repeated K/V); IREE cuda one dispatch of ``kernels/attention_cuda.cu``: a workgroup per (query head, query row,
 batch), its warps over the key positions, reading the K/V rows of its group's head (the group's other heads find
-them in L2) and skipping positions the mask hides
+them in L2) and skipping positions the mask hides; at decode a row's positions are split over several workgroups
+and the last merges their states (:func:`cuda_splits`)
 (iree-compile 3.13 materializes the repeated K and V and runs 5 dispatches per layer: BENCHMARKS.md, "Full-size
 decode on the H200").
 """
@@ -57,6 +58,20 @@ from rewrite.plugins.kv_cache import KV_UPDATE, rows_written_onnx
 CUDA_THREADS = 512  #: THREADS in kernels/attention_cuda.cu: 16 warps
 CUDA_HEAD_SIZES = (32, 64, 128, 256)  #: D the kernels are built for (D / 32 elements a lane)
 CUDA_EXECUTABLE = "attention_exec"
+CUDA_SPLIT_SITES = 1024  #: ATTN_SITES in kernels/attention_cuda.cu: dispatch sites of a module that may split
+CUDA_SPLIT_ROWS = 1024  #: ATTN_ROWS: query rows (B * Hq * T) of a launch that splits
+CUDA_SPLIT_WORKGROUPS = 128  #: workgroups a decode row's splits aim at (one resident per SM: 512 threads, 72 registers)
+CUDA_WARPS = 16  #: WARPS in kernels/attention_cuda.cu
+
+
+def cuda_splits(b: int, hq: int, t: int, s: int) -> int:
+    """Splits of the key positions per query row (split-KV) for a launch of B x Hq x T query rows over S
+    positions: 1 unless one row per head (decode, T = 1) and at most :data:`CUDA_SPLIT_ROWS` rows; then
+    ``CUDA_SPLIT_WORKGROUPS // (B * Hq)`` workgroups per row, at most ``S // 16`` (a position per warp), at least 1.
+    The lowering computes the same at run time (``_splits_mlir``)."""
+    if t != 1 or b * hq > CUDA_SPLIT_ROWS:
+        return 1
+    return max(1, min(CUDA_SPLIT_WORKGROUPS // max(1, b * hq), s // CUDA_WARPS))
 CUDA_KERNELS = [f"grouped_attention_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
 
 
@@ -234,9 +249,12 @@ class GroupedAttention(AbstractOp):
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One dispatch of ``kernels/attention_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``grouped_attention_<el>_d<D>``
-        on (Hq, T, B) workgroups of 512 threads (the kernel source's header). Bindings Q, K, V, mask, K_new, V_new,
-        position (dummies when absent), Y; push constants T, S, Hq, Hkv, the mask's strides over B, heads and T (0
-        where it broadcasts), has_mask, the scale's float32 bits (i32) and the number of new rows (0 without).
+        on (Hq * splits, T, B) workgroups of 512 threads (the kernel source's header): at decode (T = 1) a row's key
+        positions split over :func:`cuda_splits` workgroups, the last of which merges their states (split-KV,
+        seed 000's flash decode). Bindings Q, K, V, mask, K_new, V_new, position (dummies when absent), then Y and an
+        f32 scratch result of the splits' states that nothing reads; push constants T, S, Hq, Hkv, the mask's
+        strides over B, heads and T (0 where it broadcasts), has_mask, the scale's float32 bits (i32), the number of
+        new rows (0 without), the splits and the dispatch site (its tickets in the module's memory).
 
         Raises:
             BackendError: a target other than cuda, D not in :data:`CUDA_HEAD_SIZES`, or operands outside the
@@ -269,14 +287,46 @@ class GroupedAttention(AbstractOp):
         else:
             new_args, new_types = "%dummy, %dummy, %nopos", f"tensor<1x{t.el}>, tensor<1x{t.el}>, tensor<1xi64>"
             body += "    %n32 = arith.constant 0 : i32\n"
+        body += _splits_mlir(ctx.next_site(CUDA_EXECUTABLE), t.d)
         body += f"""    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
     %nopos = arith.constant dense<0> : tensor<1xi64>
-    %y = flow.dispatch @{CUDA_EXECUTABLE}::@{kernel}[%gx, %gy, %gz](%in0, %in1, %in2, {mask_arg}, {new_args}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32, %n32) :
-        ({t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, {new_types}, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32)
-        -> {t.q.builtin}{dims(0, t.q)}
+    %y, %part = flow.dispatch @{CUDA_EXECUTABLE}::@{kernel}[%gxs, %gy, %gz](%in0, %in1, %in2, {mask_arg}, {new_args}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32, %n32, %p32, %site32) :
+        ({t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, {new_types}, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32)
+        -> ({t.q.builtin}{dims(0, t.q)}, tensor<?xf32>{{%np}})
     %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}
 """
-        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 7, 1, 10, CUDA_THREADS)})
+        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 7, 2, 12, CUDA_THREADS)})
+
+
+def _splits_mlir(site: int, d: int) -> str:
+    """MLIR computing the launch's splits ``%p`` as :func:`cuda_splits` does, from the grid's ``%gx`` (Hq), ``%gy``
+    (T), ``%gz`` (B) and ``%s`` (S): the grid's x ``%gxs`` = Hq * splits, the scratch's f32 count ``%np`` = B * Hq *
+    T * splits * (D + 2), and the push constants ``%p32`` and ``%site32``. Past :data:`CUDA_SPLIT_SITES` sites in a
+    module (each keeps its tickets in the module's memory) one split."""
+    lines = ["    %sp_c1 = arith.constant 1 : index"]
+    if site < CUDA_SPLIT_SITES:
+        lines += [f"    %sp_w = arith.constant {CUDA_SPLIT_WORKGROUPS} : index",
+                  f"    %sp_warps = arith.constant {CUDA_WARPS} : index",
+                  f"    %sp_rows = arith.constant {CUDA_SPLIT_ROWS} : index",
+                  "    %sp_bh = arith.muli %gz, %gx : index",
+                  "    %sp_bh1 = arith.maxui %sp_bh, %sp_c1 : index",
+                  "    %sp_want = arith.divui %sp_w, %sp_bh1 : index",
+                  "    %sp_most = arith.divui %s, %sp_warps : index",
+                  "    %sp_p0 = arith.minui %sp_want, %sp_most : index",
+                  "    %sp_p1 = arith.maxui %sp_p0, %sp_c1 : index",
+                  "    %sp_dec = arith.cmpi eq, %gy, %sp_c1 : index",
+                  "    %sp_fits = arith.cmpi ule, %sp_bh, %sp_rows : index",
+                  "    %sp_ok = arith.andi %sp_dec, %sp_fits : i1",
+                  "    %p = arith.select %sp_ok, %sp_p1, %sp_c1 : index"]
+    else:
+        lines.append("    %p = arith.constant 1 : index")
+    lines += ["    %gxs = arith.muli %gx, %p : index",
+              f"    %sp_state = arith.constant {d + 2} : index",
+              "    %sp_n0 = arith.muli %gxs, %gy : index", "    %sp_n1 = arith.muli %sp_n0, %gz : index",
+              "    %np = arith.muli %sp_n1, %sp_state : index",
+              "    %p32 = arith.index_cast %p : index to i32",
+              f"    %site32 = arith.constant {min(site, CUDA_SPLIT_SITES - 1)} : i32"]
+    return "\n".join(lines) + "\n"
 
 
 class _Operands:

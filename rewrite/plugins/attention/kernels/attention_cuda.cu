@@ -1,8 +1,8 @@
 // GroupedAttention CUDA kernel for IREE's cuda target (extern dispatch; PTX for sm_80, which sm_90 runs).
 //
 // IREE CUDA dispatch ABI (samples/custom_dispatch/cuda/kernels in IREE): the bindings' base pointers in binding
-// order (q, k, v, mask, k_new, v_new, position, y), then each push constant as a 32-bit integer: T, S, Hq, Hkv,
-// msb, msh, mst, has_mask, scale_bits, n_new.
+// order (q, k, v, mask, k_new, v_new, position, y, part), then each push constant as a 32-bit integer: T, S, Hq,
+// Hkv, msb, msh, mst, has_mask, scale_bits, n_new, splits, site.
 // Layouts: the contract of ai.rewrite::GroupedAttention (rewrite/plugins/attention/op.py), row-major:
 //   q [B, Hq, T, D], k and v [B, Hkv, S, D], y [B, Hq, T, D], one float type (f32 or f16); mask (when has_mask)
 //   the same type, element (b, h, t, s) at b * msb + h * msh + t * mst + s (a stride is 0 where the mask
@@ -14,13 +14,21 @@
 //   type as the ONNX MatMul and Mul they replace; the softmax and the product with V in float32 (online
 //   softmax, seed 000's flash decode), y rounded once.
 //
-// Grid (Hq, T, B), THREADS threads: workgroup (h, t, b) computes query row t of head h. Warp w takes positions
-// s = w + WARPS * i: lane i first reads the mask of the warp's i-th position (one load for 32 positions), a
-// ballot gives the visible ones (an unwritten slot of a static cache, a future position: -inf, skipped without
-// reading K or V), then the warp reads the K and V rows of UNROLL visible positions at a time (independent
-// loads in flight together: a decode step is latency-bound, not bandwidth-bound), each lane D / 32 consecutive
-// elements, and updates its running max, sum and accumulator. The warps' partial states are merged through
-// shared memory. Query heads of one group read the same K/V rows: after the first, from L2.
+// Grid (Hq * splits, T, B), THREADS threads: workgroup (h * splits + z, t, b) computes split z of query row t of
+// head h. Warp w of split z takes positions s = z * WARPS + w + splits * WARPS * i (so the splits share any prefix
+// of visible positions evenly): lane i first reads the mask of the warp's i-th position (one load for 32
+// positions), a ballot gives the visible ones (an unwritten slot of a static cache, a future position: -inf,
+// skipped without reading K or V), then the warp reads the K and V rows of UNROLL visible positions at a time
+// (independent loads in flight together: a decode step is latency-bound, not bandwidth-bound), each lane D / 32
+// consecutive elements, and updates its running max, sum and accumulator. The warps' partial states are merged through
+// shared memory. Query heads of one group read the same K/V rows: after the first, from L2. With one split the
+// workgroup stores y; with more (split-KV, seed 000's flash decode: a decode row's positions over several
+// workgroups, for 16 or 32 query heads on 132 SMs), each stores its state (max, sum, D weighted sums of V) in the
+// f32 scratch binding part [B * Hq * T, splits, D + 2], takes a ticket of its row, and the last of the row's
+// splits merges the states and stores y. The tickets are this module's own memory per dispatch site (push
+// constant site < ATTN_SITES; rows < ATTN_ROWS), zero when the driver loads it and set back by the merging
+// workgroup. Bindings: q, k, v, mask, k_new, v_new, position, then y and part; push constants: the 10 above,
+// then splits and site.
 #include <cuda_fp16.h>
 #include <math_constants.h>
 #include <stdint.h>
@@ -50,15 +58,22 @@ __device__ __forceinline__ void load_row(const __half* p, float* out) {
   }
 }
 
+#define ATTN_SITES 1024  // CUDA_SPLIT_SITES in op.py: dispatch sites of a module that may split
+#define ATTN_ROWS 1024   // CUDA_SPLIT_ROWS in op.py: query rows (B * Hq * T) of a launch that splits
+__device__ unsigned attn_tickets[ATTN_SITES][ATTN_ROWS];
+
 template <typename T, int D>
 __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* mask, const T* k_new, const T* v_new,
-                                  const int64_t* position, T* y, int Tq, int S, int Hq, int Hkv, int msb, int msh,
-                                  int mst, int has_mask, float scale, int n_new) {
+                                  const int64_t* position, T* y, float* part, int Tq, int S, int Hq, int Hkv,
+                                  int msb, int msh, int mst, int has_mask, float scale, int n_new, int splits,
+                                  int site) {
   constexpr int DL = D / 32;
   __shared__ float sh_m[WARPS], sh_l[WARPS];
   __shared__ float sh_acc[WARPS][D];
+  __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int h = blockIdx.x, t = blockIdx.y, b = blockIdx.z;
+  const int h = blockIdx.x / splits, z = blockIdx.x - h * splits, t = blockIdx.y, b = blockIdx.z;
+  const int stride = splits * WARPS;  // split z's warp w: positions z * WARPS + w + stride * i
   const int kvh = h / (Hq / Hkv);
   const float sc = rounded(scale, q);  // the Mul's constant in the model's type
 
@@ -77,8 +92,8 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
   const T* knb = k_new + (size_t)(b * Hkv + kvh) * n_new * D + lane * DL;
   const T* vnb = v_new + (size_t)(b * Hkv + kvh) * n_new * D + lane * DL;
 
-  for (int base = warp; base < S; base += WARPS * 32) {  // 32 positions of this warp: base + WARPS * i
-    const int mine = base + WARPS * lane;
+  for (int base = z * WARPS + warp; base < S; base += stride * 32) {  // 32 positions of this warp: base + stride * i
+    const int mine = base + stride * lane;
     const float add = (has_mask && mine < S) ? to_f(mrow[mine]) : 0.f;
     unsigned todo = __ballot_sync(0xffffffffu, mine < S && add != -CUDART_INF_F);
     while (todo) {
@@ -93,7 +108,7 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         if (u < n) {
-          const int s = base + WARPS * lanes[u];
+          const int s = base + stride * lanes[u];
           const unsigned r = (unsigned)(s - p);  // a new row when r < n_new
           load_row<DL>(r < (unsigned)n_new ? knb + (size_t)r * D : kb + (size_t)s * D, kr[u]);
           load_row<DL>(r < (unsigned)n_new ? vnb + (size_t)r * D : vb + (size_t)s * D, vr[u]);
@@ -123,6 +138,8 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
 #pragma unroll
   for (int j = 0; j < DL; ++j) sh_acc[warp][lane * DL + j] = acc[j];
   __syncthreads();
+  const int row = (b * Hq + h) * Tq + t;
+  float* state = part + ((size_t)row * splits + z) * (D + 2);  // this split's state: max, sum, D sums
   for (int d = threadIdx.x; d < D; d += THREADS) {
     float mx = -CUDART_INF_F;
 #pragma unroll
@@ -134,17 +151,47 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
       const float f = __expf(sh_m[w] - mx);
       den += sh_l[w] * f, num += sh_acc[w][d] * f;
     }
-    store(y + ((size_t)(b * Hq + h) * Tq + t) * D + d, num / den);  // every position hidden: 0 / 0, NaN as Softmax
+    if (splits == 1) {
+      store(y + (size_t)row * D + d, num / den);  // every position hidden: 0 / 0, NaN as Softmax
+    } else {
+      if (d == 0) state[0] = mx, state[1] = den;
+      state[2 + d] = num;
+    }
   }
+  if (splits == 1) return;
+  // split-KV (seed 000's flash decode): the last of the row's splits to finish merges their states
+  __syncthreads();  // the workgroup's state is stored; thread 0's fence is cumulative (cooperative groups' grid sync)
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(&attn_tickets[site][row], 1u) == (unsigned)(splits - 1);
+    if (last) __threadfence();  // the other splits' states, before they are read
+  }
+  __syncthreads();
+  if (!last) return;
+  const float* all = part + (size_t)row * splits * (D + 2);
+  for (int d = threadIdx.x; d < D; d += THREADS) {
+    float mx = -CUDART_INF_F;
+    for (int zz = 0; zz < splits; ++zz) mx = fmaxf(mx, __ldcg(all + zz * (D + 2)));
+    float den = 0.f, num = 0.f;
+    for (int zz = 0; zz < splits; ++zz) {
+      const float mz = __ldcg(all + zz * (D + 2));
+      if (mz == -CUDART_INF_F) continue;
+      const float f = __expf(mz - mx);
+      den += __ldcg(all + zz * (D + 2) + 1) * f, num += __ldcg(all + zz * (D + 2) + 2 + d) * f;
+    }
+    store(y + (size_t)row * D + d, num / den);
+  }
+  if (threadIdx.x == 0) attn_tickets[site][row] = 0u;  // for the site's next launch (stream order)
 }
 
-#define CONSTS int Tq, int S, int Hq, int Hkv, int msb, int msh, int mst, int has_mask, int scale_bits, int n_new
+#define CONSTS \
+  int Tq, int S, int Hq, int Hkv, int msb, int msh, int mst, int has_mask, int scale_bits, int n_new, int splits, int site
 #define KERNEL(T, el, D)                                                                                    \
   extern "C" __global__ void __launch_bounds__(THREADS) grouped_attention_##el##_d##D(                     \
       const T* q, const T* k, const T* v, const T* mask, const T* k_new, const T* v_new,                   \
-      const int64_t* position, T* y, CONSTS) {                                                            \
-    grouped_attention<T, D>(q, k, v, mask, k_new, v_new, position, y, Tq, S, Hq, Hkv, msb, msh, mst,       \
-                            has_mask, __int_as_float(scale_bits), n_new);                                 \
+      const int64_t* position, T* y, float* part, CONSTS) {                                               \
+    grouped_attention<T, D>(q, k, v, mask, k_new, v_new, position, y, part, Tq, S, Hq, Hkv, msb, msh, mst, \
+                            has_mask, __int_as_float(scale_bits), n_new, splits, site);                   \
   }
 
 KERNEL(__half, f16, 32)
