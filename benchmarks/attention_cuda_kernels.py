@@ -18,8 +18,8 @@ interface, with macros passed to nvcc (``parse_variant`` of benchmarks/moe_cuda_
 by side on the same caches, so their times compare directly. Bytes per call: the visible K and V rows of every K/V
 head, Q, Y and the mask rows. Each case runs with each of ``--splits`` (1, and the lowering's ``cuda_splits``: a
 decode row's positions over several workgroups, merged by the last), checked before and after it is timed. Then the
-conformance kit's samples of the op (f32 and f16, every mask form) through each variant's kernel, with one split and
-with the lowering's. Exits 1 when an output is off its reference.
+conformance kit's samples of the op (f32 and f16, every mask form) through each variant's kernel, with 1, 2 and 3
+splits and the lowering's. Exits 1 when an output is off its reference.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> int:
     ap.add_argument("--splits", default="1,auto",
                     help="splits of a row's positions to time each case with: numbers, or auto (the lowering's "
                          "cuda_splits); comma-separated")
+    ap.add_argument("--samples-only", action="store_true", help="only the conformance kit's samples: no timing")
     args = ap.parse_args()
     shipped = ROOT / "rewrite/plugins/attention/kernels/attention_cuda.cu"
     variants = [parse_variant(v, 0, 0) for v in args.variant] or [dict(name="shipped", source=shipped, defines=[])]
@@ -66,10 +67,12 @@ def main() -> int:
                                     options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",
                                              *(f"-D{d}" for d in v["defines"])))
             for v in variants}
+    if args.samples_only:
+        return 1 if sum(check_samples(cp, mod) for mod in mods.values()) else 0
     bw = copy_bandwidth(cp)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; one call per K/V cache (>= {COLD_BYTES >> 20} MB of them, >= {ITERS} "
           f"calls) per CUDA graph, median of {args.reps} replays; f16")
-    print(f"{'model':<8} {'Hq':>3} {'Hkv':>3} {'T':>4} {'S':>5} {'vis':>5} {'variant':<8} {'us':>8} {'MB':>7} {'GB/s':>6} "
+    print(f"{'model':<8} {'Hq':>3} {'Hkv':>3} {'T':>4} {'S':>5} {'vis':>5} {'variant':<11} {'us':>8} {'MB':>7} {'GB/s':>6} "
           f"{'of copy':>8}  check")
     rng = np.random.default_rng(0)
     failed = 0
@@ -92,7 +95,7 @@ def main() -> int:
             position = cp.asarray(np.array([visible - t], np.int64))
             k0, v0 = (cp.asnumpy(x) for x in caches[0])
             want = GroupedAttention().reference({"scale": scale}, q, k0, v0, mask)[0].astype(np.float64)
-            splits = sorted({cuda_splits(1, hq, t, s) if p == "auto" else int(p) for p in args.splits.split(",")})
+            splits = sorted({cuda_splits(1, hq, t, s) if p == "auto" else max(1, int(p)) for p in args.splits.split(",")})
             for (vname, mod), p in ((vm, p) for vm in mods.items() for p in splits):
                 kernel = mod.get_function(f"grouped_attention_f16_d{d}")
                 part = cp.empty(hq * t * p * (d + 2), cp.float32)
@@ -112,6 +115,7 @@ def main() -> int:
                 ok = err <= 1e-2
                 failed += not ok
                 us = timed(cp, [lambda i=i: launch(i % layers) for i in range(max(ITERS, layers))], args.reps)
+                cp.cuda.Device().synchronize()
                 y[...] = 0  # and after thousands of launches (the tickets set back by every one)
                 launch(0)
                 cp.cuda.Device().synchronize()
@@ -119,7 +123,7 @@ def main() -> int:
                 if ok and err > 1e-2:
                     ok, failed = False, failed + 1
                 nbytes = 2 * hkv * visible * d * 2 + q.nbytes + y.nbytes + mask.nbytes
-                print(f"{name:<8} {hq:>3} {hkv:>3} {t:>4} {s:>5} {visible:>5} {vname:<8} {us:>8.1f} {nbytes / 1e6:>7.2f} "
+                print(f"{name:<8} {hq:>3} {hkv:>3} {t:>4} {s:>5} {visible:>5} {vname:<11} {us:>8.1f} {nbytes / 1e6:>7.2f} "
                       f"{nbytes / us / 1e3:>6.0f} {nbytes / us / 1e3 / (bw / 1e9):>8.1%}  rel. error {err:.1e} "
                       f"{'ok' if ok else 'WRONG'}", flush=True)
             del caches, news
@@ -155,7 +159,7 @@ def check_samples(cp, mod) -> int:
         dmask = cp.asarray(mask) if mask is not None else dummy
         news = (cp.asarray(k_new), cp.asarray(v_new), cp.asarray(position)) if n_new else (dummy, dummy, cp.zeros(1, cp.int64))
         want = op.reference(attrs, q, k, v, mask, k_new, v_new, position)[0].astype(np.float64)
-        for p in sorted({1, cuda_splits(b, hq, t, k.shape[2])}):  # one split, and the lowering's
+        for p in sorted({1, 2, 3, cuda_splits(b, hq, t, k.shape[2])}):  # the samples' S are small: force splits
             y[...] = 0
             part = cp.empty(b * hq * t * p * (d + 2), cp.float32)
             mod.get_function(f"grouped_attention_{el}_d{d}")(

@@ -158,4 +158,4 @@ def test_cuda_splits_of_a_decode_row():
     assert cuda_splits(1, 4, 1, 8) == 1
     assert cuda_splits(1, 32, 128, 256) == 1  # prefill: its rows fill the GPU already
     assert cuda_splits(2, 200, 1, 4096) == 1  # 400 rows: no workgroups left to split over
-    assert cuda_splits(CUDA_SPLIT_ROWS, 2, 1, 4096) == 1
+    assert cuda_splits(CUDA_SPLIT_ROWS, 1, 1, 4096) == 1 and cuda_splits(64, 1, 1, 4096) == 2

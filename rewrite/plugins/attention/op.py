@@ -59,8 +59,9 @@ CUDA_THREADS = 512  #: THREADS in kernels/attention_cuda.cu: 16 warps
 CUDA_HEAD_SIZES = (32, 64, 128, 256)  #: D the kernels are built for (D / 32 elements a lane)
 CUDA_EXECUTABLE = "attention_exec"
 CUDA_SPLIT_SITES = 1024  #: ATTN_SITES in kernels/attention_cuda.cu: dispatch sites of a module that may split
-CUDA_SPLIT_ROWS = 1024  #: ATTN_ROWS: query rows (B * Hq * T) of a launch that splits
-CUDA_SPLIT_WORKGROUPS = 128  #: workgroups a decode row's splits aim at (one resident per SM: 512 threads, 72 registers)
+CUDA_SPLIT_ROWS = 128  #: ATTN_ROWS: query rows (B * Hq * T) of a launch that splits
+#: workgroups a decode launch's splits aim at in all (about one per SM of an H100: 512 threads of 72 registers at D = 128)
+CUDA_SPLIT_WORKGROUPS = 128
 CUDA_WARPS = 16  #: WARPS in kernels/attention_cuda.cu
 
 
@@ -301,7 +302,7 @@ class GroupedAttention(AbstractOp):
 def _splits_mlir(site: int, d: int) -> str:
     """MLIR computing the launch's splits ``%p`` as :func:`cuda_splits` does, from the grid's ``%gx`` (Hq), ``%gy``
     (T), ``%gz`` (B) and ``%s`` (S): the grid's x ``%gxs`` = Hq * splits, the scratch's f32 count ``%np`` = B * Hq *
-    T * splits * (D + 2), and the push constants ``%p32`` and ``%site32``. Past :data:`CUDA_SPLIT_SITES` sites in a
+    T * splits * (D + 2) (1 with one split), and the push constants ``%p32`` and ``%site32``. Past :data:`CUDA_SPLIT_SITES` sites in a
     module (each keeps its tickets in the module's memory) one split."""
     lines = ["    %sp_c1 = arith.constant 1 : index"]
     if site < CUDA_SPLIT_SITES:
@@ -320,10 +321,13 @@ def _splits_mlir(site: int, d: int) -> str:
                   "    %p = arith.select %sp_ok, %sp_p1, %sp_c1 : index"]
     else:
         lines.append("    %p = arith.constant 1 : index")
+    # the scratch: B * Hq * T * splits * (D + 2) floats, one when unsplit (the kernel does not touch it then)
     lines += ["    %gxs = arith.muli %gx, %p : index",
               f"    %sp_state = arith.constant {d + 2} : index",
               "    %sp_n0 = arith.muli %gxs, %gy : index", "    %sp_n1 = arith.muli %sp_n0, %gz : index",
-              "    %np = arith.muli %sp_n1, %sp_state : index",
+              "    %sp_n2 = arith.muli %sp_n1, %sp_state : index",
+              "    %sp_split = arith.cmpi ugt, %p, %sp_c1 : index",
+              "    %np = arith.select %sp_split, %sp_n2, %sp_c1 : index",
               "    %p32 = arith.index_cast %p : index to i32",
               f"    %site32 = arith.constant {min(site, CUDA_SPLIT_SITES - 1)} : i32"]
     return "\n".join(lines) + "\n"

@@ -27,7 +27,8 @@
 // f32 scratch binding part [B * Hq * T, splits, D + 2], takes a ticket of its row, and the last of the row's
 // splits merges the states and stores y. The tickets are this module's own memory per dispatch site (push
 // constant site < ATTN_SITES; rows < ATTN_ROWS), zero when the driver loads it and set back by the merging
-// workgroup. Bindings: q, k, v, mask, k_new, v_new, position, then y and part; push constants: the 10 above,
+// workgroup: launches of one site must not overlap (IREE's CUDA HAL runs a module's dispatches in stream order),
+// and a launch aborted midway leaves its tickets behind until the module is loaded again. Bindings: q, k, v, mask, k_new, v_new, position, then y and part; push constants: the 10 above,
 // then splits and site.
 #include <cuda_fp16.h>
 #include <math_constants.h>
@@ -59,7 +60,7 @@ __device__ __forceinline__ void load_row(const __half* p, float* out) {
 }
 
 #define ATTN_SITES 1024  // CUDA_SPLIT_SITES in op.py: dispatch sites of a module that may split
-#define ATTN_ROWS 1024   // CUDA_SPLIT_ROWS in op.py: query rows (B * Hq * T) of a launch that splits
+#define ATTN_ROWS 128    // CUDA_SPLIT_ROWS in op.py: query rows (B * Hq * T) of a launch that splits
 __device__ unsigned attn_tickets[ATTN_SITES][ATTN_ROWS];
 
 template <typename T, int D>
