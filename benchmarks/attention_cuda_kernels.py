@@ -137,7 +137,7 @@ def check_samples(cp, mod) -> int:
     """The conformance kit's samples of GroupedAttention (grouped and plain heads, decode and prefill rows, masks
     of [1, 1, T, S], [B, 1, T, S] and [1, Hq, T, S], none; f32 and f16) through the kernel, against the reference
     (float32 1e-4, float16 1e-2 relative to the largest output). Returns the number that are off."""
-    from rewrite.plugins.attention.op import CUDA_THREADS, GroupedAttention, cuda_splits
+    from rewrite.plugins.attention.op import CUDA_SPLIT_ROWS, CUDA_THREADS, GroupedAttention, cuda_splits
 
     op = GroupedAttention()
     failed = 0
@@ -159,7 +159,8 @@ def check_samples(cp, mod) -> int:
         dmask = cp.asarray(mask) if mask is not None else dummy
         news = (cp.asarray(k_new), cp.asarray(v_new), cp.asarray(position)) if n_new else (dummy, dummy, cp.zeros(1, cp.int64))
         want = op.reference(attrs, q, k, v, mask, k_new, v_new, position)[0].astype(np.float64)
-        for p in sorted({1, 2, 3, cuda_splits(b, hq, t, k.shape[2])}):  # the samples' S are small: force splits
+        forced = (2, 3) if b * hq * t <= CUDA_SPLIT_ROWS else ()  # the samples' S are small: splits forced too
+        for p in sorted({1, *forced, cuda_splits(b, hq, t, k.shape[2])}):
             y[...] = 0
             part = cp.empty(b * hq * t * p * (d + 2), cp.float32)
             mod.get_function(f"grouped_attention_{el}_d{d}")(
