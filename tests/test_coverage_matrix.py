@@ -17,17 +17,16 @@ FUSED = [
     ("qwen3_moe", "dynamo", "batched_mm", "fp32"),   # softmax top-k renormalized; Expand repeats the token rows
     ("mixtral", "hf", "batched_mm", "fp16"),         # softmax, top-k, renormalized; expert outputs cast to f32
                                                      # before the weighting: by value
-    ("granitemoe", "hf", "batched_mm", "fp32"),      # raw top-k then softmax
     ("hunyuan_v1_moe", "hf", "batched_mm", "fp32"),  # Softmax over axis 1 of [T, E], TopK over axis -1
     ("deepseek_v2", "hf", "batched_mm", "fp32"),     # latent attention; softmax top-k router, shared experts
-    ("deepseek_v3", "hf", "batched_mm", "fp32"),     # sigmoid scores, selection bias, grouped top-k, scaling
-    ("glm4_moe", "dynamo", "batched_mm", "fp32"),    # the same, with unsorted TopKs (sorted=0)
+    ("glm4_moe", "dynamo", "batched_mm", "fp32"),    # deepseek_v3's router (below), with unsorted TopKs (sorted=0)
     ("ernie4_5_moe", "dynamo", "batched_mm", "fp32"),  # softmax scores, selection bias, clamped renormalization
     ("qwen2_moe", "hf", "grouped_mm", "fp32"),       # transformers' default experts: sorted tokens, a MatMul per expert
     ("olmoe", "hf", "grouped_mm", "fp32"),
     # fp16 exports that score the router in float32: the experts read the fp16 hidden state the router casts
-    ("deepseek_v3", "hf", "batched_mm", "fp16"),
-    ("granitemoe", "hf", "batched_mm", "fp16"),      # and sum the k expert outputs in float32
+    ("deepseek_v3", "hf", "batched_mm", "fp16"),     # sigmoid scores, selection bias, grouped top-k, scaling
+    ("granitemoe", "hf", "batched_mm", "fp16"),      # raw top-k then softmax; the k expert outputs summed in float32
+    # (their fp32 exports route the same way: examples/coverage_matrix.py runs them, docs/coverage.md)
 ]
 
 
