@@ -58,6 +58,7 @@ from rewrite.plugins.kv_cache import KV_UPDATE, rows_written_onnx
 CUDA_THREADS = 512  #: THREADS in kernels/attention_cuda.cu: 16 warps
 CUDA_HEAD_SIZES = (32, 64, 128, 256)  #: D the kernels are built for (D / 32 elements a lane)
 CUDA_EXECUTABLE = "attention_exec"
+CUDA_KERNELS = [f"grouped_attention_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
 CUDA_SPLIT_SITES = 1024  #: ATTN_SITES in kernels/attention_cuda.cu: dispatch sites of a module that may split
 CUDA_SPLIT_ROWS = 128  #: ATTN_ROWS: query rows (B * Hq * T) of a launch that splits
 #: workgroups a decode launch's splits aim at in all (about one per SM of an H100: 512 threads of 72 registers at D = 128)
@@ -73,7 +74,6 @@ def cuda_splits(b: int, hq: int, t: int, s: int) -> int:
     if t != 1 or b * hq > CUDA_SPLIT_ROWS:
         return 1
     return max(1, min(CUDA_SPLIT_WORKGROUPS // max(1, b * hq), s // CUDA_WARPS))
-CUDA_KERNELS = [f"grouped_attention_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
 
 
 def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False, new=None) -> tuple[int, int, int, int, int, int]:
@@ -302,8 +302,8 @@ class GroupedAttention(AbstractOp):
 def _splits_mlir(site: int, d: int) -> str:
     """MLIR computing the launch's splits ``%p`` as :func:`cuda_splits` does, from the grid's ``%gx`` (Hq), ``%gy``
     (T), ``%gz`` (B) and ``%s`` (S): the grid's x ``%gxs`` = Hq * splits, the scratch's f32 count ``%np`` = B * Hq *
-    T * splits * (D + 2) (1 with one split), and the push constants ``%p32`` and ``%site32``. Past :data:`CUDA_SPLIT_SITES` sites in a
-    module (each keeps its tickets in the module's memory) one split."""
+    T * splits * (D + 2) (1 with one split), and the push constants ``%p32`` and ``%site32``. Past
+    :data:`CUDA_SPLIT_SITES` sites in a module (each keeps its tickets in the module's memory) one split."""
     lines = ["    %sp_c1 = arith.constant 1 : index"]
     if site < CUDA_SPLIT_SITES:
         lines += [f"    %sp_w = arith.constant {CUDA_SPLIT_WORKGROUPS} : index",

@@ -20,16 +20,15 @@
 // positions), a ballot gives the visible ones (an unwritten slot of a static cache, a future position: -inf,
 // skipped without reading K or V), then the warp reads the K and V rows of UNROLL visible positions at a time
 // (independent loads in flight together: a decode step is latency-bound, not bandwidth-bound), each lane D / 32
-// consecutive elements, and updates its running max, sum and accumulator. The warps' partial states are merged through
-// shared memory. Query heads of one group read the same K/V rows: after the first, from L2. With one split the
-// workgroup stores y; with more (split-KV, seed 000's flash decode: a decode row's positions over several
+// consecutive elements, and updates its running max, sum and accumulator. The warps' partial states are merged
+// through shared memory. Query heads of one group read the same K/V rows: after the first, from L2. With one split
+// the workgroup stores y; with more (split-KV, seed 000's flash decode: a decode row's positions over several
 // workgroups, for 16 or 32 query heads on 132 SMs), each stores its state (max, sum, D weighted sums of V) in the
 // f32 scratch binding part [B * Hq * T, splits, D + 2], takes a ticket of its row, and the last of the row's
 // splits merges the states and stores y. The tickets are this module's own memory per dispatch site (push
 // constant site < ATTN_SITES; rows < ATTN_ROWS), zero when the driver loads it and set back by the merging
 // workgroup: launches of one site must not overlap (IREE's CUDA HAL runs a module's dispatches in stream order),
-// and a launch aborted midway leaves its tickets behind until the module is loaded again. Bindings: q, k, v, mask, k_new, v_new, position, then y and part; push constants: the 10 above,
-// then splits and site.
+// and a launch aborted midway leaves its tickets behind until the module is loaded again.
 #include <cuda_fp16.h>
 #include <math_constants.h>
 #include <stdint.h>
