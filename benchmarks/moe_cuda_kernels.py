@@ -7,11 +7,14 @@ CuPy but no IREE:
     python benchmarks/moe_cuda_kernels.py --variant old=old.cu --variant new=moe_cuda.cu,GATE_PAIRS=1,gate=8
     python benchmarks/moe_cuda_kernels.py --once                   # one launch of each kernel (for ncu)
 
-A variant is ``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N]``: a kernel source (another version of moe_cuda.cu
-with the same launch interface), macros passed to nvcc, and the grid (``gate``: the lowering's
+A variant is ``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0]``: a kernel source (another version of
+moe_cuda.cu with the same launch interface), macros passed to nvcc, and the grid (``gate``: the lowering's
 CUDA_GATE_ITEMS, ``down``: CUDA_DOWN_ROWS); all variants run side by side on the same weights, so their times
 compare directly. The kernels are launched as IREE launches them (rewrite/plugins/moe/lowering.py
 ``lower_iree_cuda``): the bindings' pointers, then the 10 push constants as 32-bit integers, on the same grid.
+Where the lowering takes the tensor-core pair (``cuda_mma_steps``: the seeds' shapes, either mode) and the
+source has its exports, that pair runs on its grid (the row's variant name gets ``/mma``); ``mma=0`` keeps the
+other pair.
 ``--mode routed`` (the default)
 gives the kernels the experts and weights, as the ``topk`` router does in the seeds' models; ``logits`` lets them
 route from the router logits.
@@ -60,13 +63,13 @@ def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
 
 
 def parse_variant(spec: str, gate: int, down: int) -> dict:
-    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N]`` -> {name, source, defines, gate, down}."""
+    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0]`` -> {name, source, defines, gate, down, mma}."""
     name, _, rest = spec.partition("=")
     source, *opts = rest.split(",")
-    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down)
+    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1)
     for o in opts:
         key, _, val = o.partition("=")
-        if key in ("gate", "down"):
+        if key in ("gate", "down", "mma"):
             v[key] = int(val)
         else:
             v["defines"].append(o)
@@ -98,7 +101,7 @@ def timed(cp, launches, reps: int) -> float:
 def main() -> int:
     import cupy as cp
 
-    from rewrite.plugins.moe.lowering import CUDA_DOWN_ROWS, CUDA_GATE_ITEMS, CUDA_THREADS, FusedMoE
+    from rewrite.plugins.moe.lowering import CUDA_DOWN_ROWS, CUDA_GATE_ITEMS, CUDA_THREADS, FusedMoE, cuda_mma_steps
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", default=[], help="NAME=SOURCE[,MACRO...][,gate=N][,down=N] (repeatable)")
@@ -111,12 +114,21 @@ def main() -> int:
     args = ap.parse_args()
     shipped = ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu"
     variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS) for v in args.variant] or \
-        [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS)]
+        [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS, mma=1)]
     for v in variants:
         mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",  # quoted includes: its folder, the shipped one's
                            options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",
                                     *(f"-D{d}" for d in v["defines"])))
         v["kernels"] = mod.get_function("moe_gate_up_f16"), mod.get_function("moe_down_f16")
+        v["mma_kernels"] = {}  # (gate_up S, down S) -> the tensor-core pair, in sources that have it
+        for name, (e, k, h, i) in SHAPES.items():
+            steps = cuda_mma_steps("f16", BLOCK, h, i, k)
+            if steps and v["mma"]:
+                try:
+                    v["mma_kernels"][steps] = (mod.get_function(f"moe_gate_up_mma{steps[0]}_f16"),
+                                               mod.get_function(f"moe_down_mma{steps[1]}_f16"))
+                except Exception:
+                    pass
         try:  # the one-launch kernel, in sources that have it
             v["fused"] = mod.get_function("moe_fused_f16")
         except Exception:
@@ -196,6 +208,11 @@ def main() -> int:
                 gate_up, down = v["kernels"]
                 grid1 = (t, -(-i // -(-v["gate"] // k)))
                 grid2 = (t, -(-h // v["down"]))
+                steps = cuda_mma_steps("f16", BLOCK, h, i, k)
+                label = v["name"]
+                if steps in v["mma_kernels"]:  # the lowering's tensor-core pair and its grids
+                    (gate_up, down), grid1, grid2 = v["mma_kernels"][steps], (t, k * i // 8), (t, h // 16)
+                    label += "/mma"
 
                 # sources with moe_fused: down also takes the shared expert and its gate (absent: flag SHARED off)
                 shared = (dummy_b, dummy_b) if v["fused"] is not None else ()
@@ -211,14 +228,14 @@ def main() -> int:
                 err = error_of(lambda layer: (launch("gate_up", layer), launch("down", layer)))
                 check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'}"
                 if args.once:
-                    print(f"{name:<18} {t:>2} {v['name']:<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
+                    print(f"{name:<18} {t:>2} {label:<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
                     continue
                 us = {kn: timed(cp, [lambda n=n, kn=kn: launch(kn, n % LAYERS) for n in range(ITERS)], args.reps)
                       for kn in ("gate_up", "down")}
                 both = timed(cp, [lambda n=n, kn=kn: launch(kn, n % LAYERS) for n in range(ITERS) for kn in ("gate_up", "down")],
                              args.reps) * 2
                 total = nbytes["gate_up"] + nbytes["down"]
-                print(f"{name:<18} {t:>2} {v['name']:<12} {us['gate_up']:>8.1f} {us['down']:>8.1f} {both:>8.1f} "
+                print(f"{name:<18} {t:>2} {label:<12} {us['gate_up']:>8.1f} {us['down']:>8.1f} {both:>8.1f} "
                       f"{total / 1e6:>6.2f} {total / both / 1e3:>6.0f} {total / both / 1e3 / (bw / 1e9):>8.1%}  {check}",
                       flush=True)
                 for sl, kern in v["sliced"].items():
@@ -244,7 +261,9 @@ def main() -> int:
                 if v["fused"] is None:
                     continue
 
-                def one(layer, fused=v["fused"], g1=grid1[1], g2=grid2[1]):  # moe_fused: the lowering's 1-D grid
+                fused_rows = -(-i // -(-v["gate"] // k)), -(-h // v["down"])  # its halves' row blocks (not mma's)
+
+                def one(layer, fused=v["fused"], g1=fused_rows[0], g2=fused_rows[1]):  # moe_fused: the lowering's 1-D grid
                     d = layers[layer][1]
                     fused((t * (g1 + g2),), (CUDA_THREADS,),
                           (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,

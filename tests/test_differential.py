@@ -446,9 +446,45 @@ def test_fused_moe_compiles_for_iree_cuda_with_the_plugins_kernels(tmp_path, mon
         assert np.abs(got - want).max() <= (1e-4 if dtype == np.float32 else 1e-2) * max(1.0, float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("mode, h, i, k, bs, options, pair, grids", [
+    ("routed", 1024, 256, 2, 128, None, ("mma1", "mma2"), (64, 64)),    # k * I / 8 groups, H / 16 row blocks
+    ("routed", 2048, 384, 8, 128, None, ("mma2", "mma4"), (384, 128)),  # k * I = 3072: down's 4 steps a warp
+    ("routed", 1024, 256, 2, 128, {"tensor_cores": False}, ("", ""), (32, 128)),
+    ("routed", 1024, 256, 2, 64, None, ("", ""), (32, 128)),             # blocks of 64
+    ("softmax_topk", 1024, 256, 2, 128, None, ("mma1", "mma2"), (64, 64)),  # routing in each gate_up warp
+    ("softmax_topk", 1536, 256, 2, 128, None, ("", ""), (32, 192)),     # H not 1024 S
+])
+def test_fused_moe_takes_the_tensor_core_pair_on_iree_cuda_where_it_applies(tmp_path, mode, h, i, k, bs, options, pair,
+                                                                           grids):
+    """iree:cuda lowers an f16 FusedMoE with INT4 blocks of 128 to ``moe_gate_up_mma<S>_f16`` on (T, k * I / 8)
+    and ``moe_down_mma<S>_f16`` on (T, H / 16) (``cuda_mma_steps``), and everything else, or ``moe.tensor_cores``
+    false, to the other pair on (T, ceil(I / ceil(16 / k))) and (T, H / 8); with a CUDA device, the outputs equal
+    the reference at 1, 3 and 8 tokens."""
+    attrs, hidden, scores, weights = _int4_sample(mode, h, i, bs, True, k=k)
+    path = tmp_path / "m.onnx"
+    onnx.save(_moe_model(attrs, hidden, scores, weights), path)
+    m = apply(path, tmp_path / "out", backend="iree", target="cuda", plugins="moe" if options else (),
+              options={"moe": options} if options else None)
+    mlir = (tmp_path / "out" / m.files["mlir"]).read_text()
+    names = [f"moe_gate_up_{pair[0] + '_' if pair[0] else ''}f16", f"moe_down_{pair[1] + '_' if pair[1] else ''}f16"]
+    assert mlir.count("::@moe_gate_up_") == mlir.count("::@moe_down_") == 1
+    # the dispatches' workloads: (tokens, row blocks), the row blocks a constant iree-compile names %c<value>
+    assert [tuple(int(g) for g in re.findall(rf"::@{n}\[%\w+, %c(\d+)(?:_\d+)?\]", mlir)) for n in names] == \
+        [(grids[0],), (grids[1],)]
+    if not _cuda_device():
+        return
+    runner = load_runner(tmp_path / "out")
+    for t in (1, 3, 8):
+        a, x, s, w = _int4_sample(mode, h, i, bs, True, k=k, t=t)
+        want = _moe_reference(a, x, s, w).astype(np.float64)
+        got = runner.run({"hidden": x, "scores": s})["y"].astype(np.float64)
+        assert np.abs(got - want).max() <= 1e-2 * max(1.0, float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("opts, message", [({"launches": 3}, "moe: option launches=3; 1 or 2 expected"),
                                            ({"launches": True}, "moe: option launches=True; 1 or 2 expected"),
-                                           ({"lanches": 2}, "moe: unknown option 'lanches'; options: residual, shared, launches")])
+                                           ({"lanches": 2}, "moe: unknown option 'lanches'; options: residual, shared, launches, tensor_cores"),
+                                           ({"tensor_cores": 1}, "moe: option tensor_cores=1; true or false expected")])
 def test_the_moe_plugins_options_are_checked(tmp_path, opts, message):
     from rewrite.errors import RewriteError
 

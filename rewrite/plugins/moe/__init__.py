@@ -512,19 +512,22 @@ class MoE(Plugin):
         """Apply the rules, :func:`fuse_shared` and :func:`fuse_residual` (options ``shared`` and ``residual``:
         default true for IREE cuda, where CUDA's down half adds the gated shared expert and the residual in its
         store, false elsewhere, where the ops come back in the lowering and nothing is gained), then note per INT4
-        FusedMoE how ONNX Runtime will run it (QMoE block or float MoE). Option ``launches`` (2, the default, or 1)
-        is the IREE cuda lowering's: the gate_up and down kernels, or ``moe_fused``'s one launch (measured slower
-        on the GPU, a launch fewer on the host: BENCHMARKS.md).
+        FusedMoE how ONNX Runtime will run it (QMoE block or float MoE). Options ``launches`` (2, the default, or 1)
+        and ``tensor_cores`` (true, the default, or false) are the IREE cuda lowering's: the gate_up and down
+        kernels, or ``moe_fused``'s one launch (measured slower on the GPU, a launch fewer on the host:
+        BENCHMARKS.md); of the two kernels, the tensor-core pair where the shape allows it (``lowering.cuda_mma_steps``).
 
         Raises:
-            RewriteError: an unknown option, ``residual`` or ``shared`` not a boolean, ``launches`` not 1 or 2."""
+            RewriteError: an unknown option, ``residual``, ``shared`` or ``tensor_cores`` not a boolean,
+                ``launches`` not 1 or 2."""
         opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
-        known = {"residual", "shared", "launches"}
+        known = {"residual", "shared", "launches", "tensor_cores"}
         if set(opts) - known:
-            raise RewriteError(f"moe: unknown option '{sorted(set(opts) - known)[0]}'; options: residual, shared, launches")
+            raise RewriteError(f"moe: unknown option '{sorted(set(opts) - known)[0]}'; options: residual, shared, "
+                               "launches, tensor_cores")
         cuda = ctx is not None and (ctx.backend, getattr(ctx, "target", None)) == ("iree", "cuda")
         residual, shared = opts.get("residual", cuda), opts.get("shared", cuda)
-        for name, value in (("residual", residual), ("shared", shared)):
+        for name, value in (("residual", residual), ("shared", shared), ("tensor_cores", opts.get("tensor_cores", True))):
             if not isinstance(value, bool):
                 raise RewriteError(f"moe: option {name}={value!r}; true or false expected")
         if opts.get("launches", 2) not in (1, 2) or isinstance(opts.get("launches"), bool):

@@ -67,6 +67,25 @@ CUDA_GATE_ITEMS, CUDA_DOWN_ROWS = 16, 8
 #: SYNC_SLOTS in moe_cuda.cu: dispatch sites of a module that take ``moe_fused`` (one launch, option
 #: ``moe.launches=1``); later sites take the two kernels
 CUDA_SYNC_SLOTS = 1024
+#: the S of moe_cuda.cu's tensor-core exports: ``moe_gate_up_mma<S>_f16`` takes H = 1024 S (8 warps of S blocks
+#: of 128 codes), ``moe_down_mma<S>_f16`` k * I up to 1024 S
+MMA_GATE_STEPS, MMA_DOWN_STEPS = (1, 2, 3, 4), (2, 4, 6, 8)
+
+
+def cuda_mma_steps(el: str, block_size: int, H: int, I: int, k: int) -> tuple[int, int] | None:
+    """The (gate_up S, down S) of the tensor-core kernel pair in moe_cuda.cu for a FusedMoE of element type ``el``
+    (``"f16"``/``"f32"``), INT4 ``block_size`` (0: float experts), hidden H, expert intermediate I and top-k ``k``
+    (any routing mode); None where the pair does not apply: it takes f16, blocks of exactly 128 codes, H one of
+    1024 S for S in :data:`MMA_GATE_STEPS`, I a multiple of 128 and k * I at most 1024 * max(:data:`MMA_DOWN_STEPS`).
+    Its grids: gate_up (T, k * I / 8), one group of 8 gate and 8 up rows per workgroup; down (T, H / 16).
+    Measured against the other pair at the seeds' decode shapes in BENCHMARKS.md ("On the tensor cores")."""
+    if el != "f16" or block_size != 128 or H % 1024 or I % 128:
+        return None
+    gate = H // 1024
+    down = next((s for s in MMA_DOWN_STEPS if k * I <= 1024 * s), None)
+    return (gate, down) if gate in MMA_GATE_STEPS and down is not None else None
+
+
 _FLAG = {"f16": 1, "int4": 2, "normalize": 4, "topk_softmax": 8, "zero_points": 16, "routed": 32, "bias": 64, "addend": 128,
          "shared": 256}
 MODES = ("softmax_topk", "topk_softmax", "routed")
@@ -289,7 +308,10 @@ class FusedMoE(AbstractOp):
         for every gate_up workgroup after issuing its first weight loads; the kernel's comment gives the argument
         that the wait ends), the act rows an f32 [T*k, I] scratch result no one reads; a launch fewer, but 16%
         more GPU time per layer at the seeds' decode shapes on an H100 (BENCHMARKS.md), and past
-        :data:`CUDA_SYNC_SLOTS` sites in a module (each has its own counters) the two kernels again. The INT4
+        :data:`CUDA_SYNC_SLOTS` sites in a module (each has its own counters) the two kernels again. Where
+        :func:`cuda_mma_steps` holds (f16, INT4 blocks of 128: the seeds' decode layers) and the option
+        ``moe.tensor_cores`` is not false, the two kernels are the tensor-core pair ``moe_gate_up_mma<S>_f16`` on
+        (T, k * I / 8) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and constants. The INT4
         dequantization is inside the dot product (the kernel source's header gives the fast path); down adds the
         gated shared expert and the addend in its store. The scalars are i32 push constants (10; moe_fused also
         its two row-block counts and its site).
@@ -368,10 +390,15 @@ class FusedMoE(AbstractOp):
         S = {n: int(np.prod(tys[kk].dims)) if present[kk] and n != "ids" else 1 for n, kk in zip(names, range(2, 11))}
         L = k if routed else E  # columns of input 1: routed weights [T, k] or logits [T, E]
         rows1, rows2 = (-(-CUDA_GATE_ITEMS // k), CUDA_DOWN_ROWS) if cuda else (ROWS_PER_WORKGROUP, ROWS_PER_WORKGROUP)
+        moe_opts = ctx.options.get("moe") or {}  # the moe plugin's options (checked there)
+        launches = moe_opts.get("launches", 2)
+        mma = cuda_mma_steps(el, bs, H, I, k) if cuda and launches == 2 and moe_opts.get("tensor_cores", True) else None
+        # gate_up: ceil(I / rows1) row blocks of every expert slot, or (mma) k * I / 8 groups of 8 rows; down: H rows
+        nb1, nb2 = (-(-I // rows1), -(-H // rows2)) if mma is None else (k * I // 8, H // 16)
         # act: the [T*k, I] SwiGLU rows; on cuda 2*T*k more floats behind them, where gate_up leaves the
         # routing (k weights, k ids) for down (moe_cuda.cu's header)
         consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cIa": I + 2 if cuda else I, "%cL": L, "%cbs": bs, "%cfl": flags,
-                  "%nb1": -(-I // rows1), "%nb2": -(-H // rows2), "%cal": alpha, "%cbe": beta,
+                  "%nb1": nb1, "%nb2": nb2, "%cal": alpha, "%cbe": beta,
                   "%cli": limit}
         lines = [f"    {n} = arith.constant {v} : index" for n, v in consts.items()]
         lines += ["    %moe_c0 = arith.constant 0 : index",
@@ -426,7 +453,6 @@ class FusedMoE(AbstractOp):
         # named by every binding size its executable declares (one module may hold FusedMoE ops of several shapes)
         name = (f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['s2']}_{S['z2']}"
                 f"_{S['b1']}_{S['b2']}{'_sh' if shared else ''}")
-        launches = (ctx.options.get("moe") or {}).get("launches", 2)  # the moe plugin's option (checked there)
         if launches not in (1, 2) or isinstance(launches, bool):
             raise BackendError(f"FusedMoE {op.where}: option moe.launches={launches!r}; 1 or 2 expected")
         # one sequence per module: iree-compile merges the equal moe_fused executables into one PTX module
@@ -455,12 +481,15 @@ class FusedMoE(AbstractOp):
         else:
             lines.append(f"    %o3 = tensor.cast %o2 : tensor<?x{H}x{el}> to tensor<?x{H}x{el}>")
         lines.append(f"    %out0 = tensor.cast %o3 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
+        gate_k, down_k = (f"moe_gate_up_{el}", f"moe_down_{el}") if mma is None else \
+            (f"moe_gate_up_mma{mma[0]}_{el}", f"moe_down_mma{mma[1]}_{el}")
+        name += "" if mma is None else f"_mma{mma[0]}{mma[1]}"
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
         if cuda:  # a PTX export is named after its kernel
-            body = body.replace(f"@{name}::@gate_up", f"@{name}::@moe_gate_up_{el}").replace(f"@{name}::@down", f"@{name}::@moe_down_{el}")
+            body = body.replace(f"@{name}::@gate_up", f"@{name}::@{gate_k}").replace(f"@{name}::@down", f"@{name}::@{down_k}")
         else:  # exports named after their executable: iree-compile links the llvm-cpu executables into one
             body = body.replace(f"@{name}::@gate_up", f"@{name}::@{name}_gate_up").replace(f"@{name}::@down", f"@{name}::@{name}_down")
-        exe = _cuda_executable(name, obj, el) if cuda else _executable(name, obj, el, wel, S, routed)
+        exe = _cuda_executable(name, obj, gate_k, down_k) if cuda else _executable(name, obj, el, wel, S, routed)
         return IreeLowering(body=body, module_items={name: exe})
 
     @staticmethod
@@ -585,13 +614,14 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], route
 
 
 
-def _cuda_executable(name: str, obj: str, el: str) -> str:
-    """The ``hal.executable.source`` declaring the PTX kernels ``moe_gate_up_<el>`` (7 bindings read, the act rows
-    written) and ``moe_down_<el>`` (9 read: the routing, act, the down weights, the shared expert and its gate;
-    the output written), 10 i32 push constants, workgroups of CUDA_THREADS threads on the grid the dispatch's
-    workload gives (tokens, row blocks)."""
+def _cuda_executable(name: str, obj: str, gate_up: str, down: str) -> str:
+    """The ``hal.executable.source`` declaring the PTX kernels ``gate_up`` (``moe_gate_up_<el>`` or a tensor-core
+    ``moe_gate_up_mma<S>_f16``: 7 bindings read, the act rows written) and ``down`` (``moe_down_<el>`` or
+    ``moe_down_mma<S>_f16``: 9 read: the routed weights or logits, the ids, act, the down weights, the shared
+    expert and its gate; the output written), 10 i32 push constants, workgroups of CUDA_THREADS threads on the
+    grid the dispatch's workload gives (tokens, row blocks)."""
     exports = []
-    for ordinal, (export, read) in enumerate(((f"moe_gate_up_{el}", 7), (f"moe_down_{el}", 9))):
+    for ordinal, (export, read) in enumerate(((gate_up, 7), (down, 9))):
         exports.append(f"""    hal.executable.export public @{export} ordinal({ordinal})
         layout(#hal.pipeline.layout<constants = 10, bindings = [{kernel_bindings(read, 1)}]>)
         count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{

@@ -4,6 +4,8 @@
 // order, then each push constant as a 32-bit integer. The kernels take the same 10 constants:
 //   t, h, i, e, k, bs, flags, alpha_bits, beta_bits, limit_bits
 // (moe_fused also gy1, gy2: the row blocks per token of each half, and its dispatch site's counter slot).
+// moe_gate_up_mma<S>_f16 / moe_down_mma<S>_f16 are the same pair on the tensor cores for f16 INT4 blocks of 128
+// (the lowering's choice where its shape allows; the last section of this file), with the same bindings.
 // moe_fused_<el> is both halves in one launch (the lowering's choice; see fused() below): bindings x, logits, ids,
 // w1, s1, z1, b1, w2, s2, z2, b2, shared, gate, out, act. moe_gate_up_<el> then moe_down_<el> are the same work in
 // two launches (down's bindings: logits, ids, act, w2, s2, z2, b2, shared, gate, out).
@@ -152,6 +154,32 @@ __device__ void route_logits(const T* __restrict__ logits, int t, int E, int K, 
   for (int j = lane; j < K; j += 32) w[j] /= d;
 }
 
+// The calling warp routes token t into ids / w (its own, shared), as route() below says; no barrier.
+template <typename T>
+__device__ __forceinline__ void route_warp(const T* __restrict__ logits, const long long* __restrict__ given, int t,
+                                           int E, int K, int flags, long long* ids, float* w) {
+  int lane = threadIdx.x & 31;
+  if (flags & ROUTED) {
+    for (int j = lane; j < K; j += 32) {
+      long long e = given[(long long)t * K + j];
+      bool ok = e >= 0 && e < E;
+      ids[j] = ok ? e : -1;
+      w[j] = ok ? ld(logits, (long long)t * K + j) : 0.f;
+    }
+  } else if (E <= 32) {
+    route_logits<1>(logits, t, E, K, flags, ids, w);
+  } else if (E <= 64) {
+    route_logits<2>(logits, t, E, K, flags, ids, w);
+  } else if (E <= 128) {
+    route_logits<4>(logits, t, E, K, flags, ids, w);
+  } else if (E <= 256) {
+    route_logits<8>(logits, t, E, K, flags, ids, w);
+  } else {
+    route_logits<MAX_E / 32>(logits, t, E, K, flags, ids, w);
+  }
+  __syncwarp();
+}
+
 // Warp 0 routes token t into ids / w (shared); every thread returns after the barrier. Logits: route_logits, with
 // TOPK_SOFTMAX and NORMALIZE dividing by the sum over the k. ROUTED: the given ids and weights, an id outside
 // [0, E) contributing nothing. ``tail`` (or null): where the routing is also written for the down kernel, k
@@ -166,28 +194,9 @@ __device__ void route(const T* __restrict__ logits, const long long* __restrict_
   return;
 #endif
   if (threadIdx.x < 32) {
-    int lane = threadIdx.x;
-    if (flags & ROUTED) {
-      for (int j = lane; j < K; j += 32) {
-        long long e = given[(long long)t * K + j];
-        bool ok = e >= 0 && e < E;
-        ids[j] = ok ? e : -1;
-        w[j] = ok ? ld(logits, (long long)t * K + j) : 0.f;
-      }
-    } else if (E <= 32) {
-      route_logits<1>(logits, t, E, K, flags, ids, w);
-    } else if (E <= 64) {
-      route_logits<2>(logits, t, E, K, flags, ids, w);
-    } else if (E <= 128) {
-      route_logits<4>(logits, t, E, K, flags, ids, w);
-    } else if (E <= 256) {
-      route_logits<8>(logits, t, E, K, flags, ids, w);
-    } else {
-      route_logits<MAX_E / 32>(logits, t, E, K, flags, ids, w);
-    }
-    __syncwarp();
+    route_warp(logits, given, t, E, K, flags, ids, w);
     if (tail)
-      for (int j = lane; j < K; j += 32) tail[j] = w[j], tail[K + j] = __int_as_float((int)ids[j]);
+      for (int j = threadIdx.x; j < K; j += 32) tail[j] = w[j], tail[K + j] = __int_as_float((int)ids[j]);
   }
   __syncthreads();
 }
@@ -597,3 +606,245 @@ DOWN(moe_down_f32, float)
 DOWN(moe_down_f16, __half)
 FUSED(moe_fused_f32, float)
 FUSED(moe_fused_f16, __half)
+
+// ---------------------------------------------------------------- on the tensor cores (f16, INT4 blocks of 128)
+//
+// moe_gate_up_mma<S>_f16 and moe_down_mma<S>_f16: the same bindings and push constants as moe_gate_up_f16 /
+// moe_down_f16, for what the lowering's ``cuda_mma_steps`` accepts: f16, INT4 with blocks of 128 codes, H = 1024 S
+// for gate_up, k * I <= 1024 S for down (S: a compile-time count of register-held steps), I a multiple of 128, any
+// routing mode. The kernels above spend about 80 instructions on each 16-byte piece of codes; these give 16 weight
+// rows at a time to one warp as the A operand of mma.m16n8k16 (f16 in, f32 accumulate; PTX ISA, "Matrix Fragments
+// for mma.m16n8k16 with floating point type"): lane (g = lane / 4, c = lane % 4) loads one 16-byte piece of rows g
+// and g + 8, and the four lanes of a row group take four consecutive pieces, so a step is one block of 128 codes. Two lop3s per word make the codes halves with no
+// subtraction (as Marlin does, arXiv:2408.11743): the low nibbles of each byte as 1024 + code, the high ones as
+// 1024 + 16 code. The vector (B, the same in all 8 columns) is staged to match: x for the low nibbles, x / 16 for
+// the high ones, so every product is (1024 + code) x in f32. Per block and row the sum is then corrected in f32:
+//     sum (code - zp) x = D - 1024 S - zp X,   S = sum of the staged values, X = sum of x (staged once per block)
+// and scaled by the block's scale. The 8 columns of D are equal; lane c = 0 keeps column 0.
+// gate_up: grid (T, gy), a workgroup at a time one group of 8 gate rows and the same 8 up rows of one expert
+// (groups n = blockIdx.y, + gy, ... of the k * I / 8), each warp an eighth of H, reduced through shared memory, then
+// SwiGLU into the act row. down: grid (T, gy), a workgroup 16 rows of H at a time, its k act rows (contiguous)
+// split over the 8 warps by blocks of 128. Each warp stages only its own part of the vector, after issuing its
+// weight loads, so no workgroup barrier precedes them. Each gate_up warp routes the token itself (route_warp: the
+// given experts, or softmax and top-k of the logits, the same in every warp), and the first row block of a token
+// leaves the routing behind the act rows, where down reads it, as moe_down does.
+
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One warp stages n values of v (n a multiple of 128): piece q (values 32q ..) quarter m (32q + 8m + 0..7) at
+// sh[m * n/32 + q] as (x0, x4), (x1, x5) / 16, (x2, x6), (x3, x7) / 16, the pairs the A operand's lop3s give;
+// block b (values 128b ..) gets sums[b] = (S, X).
+template <typename V>
+__device__ __forceinline__ void stage_mma(const V* __restrict__ v, int n, uint4* sh, float2* sums) {
+  int lane = threadIdx.x & 31, np = n / 32;
+  for (int g0 = 0; g0 < n / 8; g0 += 32) {  // 32 groups of 8 = two blocks
+    int gi = g0 + lane;
+    float s = 0.f, xs = 0.f;
+    if (gi < n / 8) {
+      float f[8];
+      load8(v, 8 * gi, f);
+      __half2 h[4] = {__floats2half2_rn(f[0], f[4]), __floats2half2_rn(f[1] * 0.0625f, f[5] * 0.0625f),
+                      __floats2half2_rn(f[2], f[6]), __floats2half2_rn(f[3] * 0.0625f, f[7] * 0.0625f)};
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        float2 v2 = __half22float2(h[p]);
+        s += v2.x + v2.y;
+        xs += (p & 1) ? 16.f * (v2.x + v2.y) : v2.x + v2.y;
+      }
+      sh[(gi & 3) * np + (gi >> 2)] = *reinterpret_cast<const uint4*>(h);
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {  // within each half-warp: one block
+      s += __shfl_xor_sync(0xffffffffu, s, o);
+      xs += __shfl_xor_sync(0xffffffffu, xs, o);
+    }
+    int b = (g0 + lane) / 16;
+    if ((lane & 15) == 0 && b < n / 128) sums[b] = make_float2(s, xs);
+  }
+}
+
+// One block (step) of two rows: the 16-byte pieces wa (row g) and wb (row g + 8) of this lane against the staged
+// quarters xq[0], xq[np], ..; returns D of rows g and g + 8 (column 0 of the tile, every column being equal).
+__device__ __forceinline__ float2 mma_step(uint4 wa, uint4 wb, const uint4* xq, int np) {
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t A[4] = {wa.x, wa.y, wa.z, wa.w}, B[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    uint4 x = xq[m * np];
+    uint32_t a = A[m], b = B[m], a8 = a >> 8, b8 = b >> 8;
+    mma16816(d, (a & 0x000F000Fu) | 0x64006400u, (b & 0x000F000Fu) | 0x64006400u, (a & 0x00F000F0u) | 0x64006400u,
+             (b & 0x00F000F0u) | 0x64006400u, x.x, x.y);
+    mma16816(d, (a8 & 0x000F000Fu) | 0x64006400u, (b8 & 0x000F000Fu) | 0x64006400u,
+             (a8 & 0x00F000F0u) | 0x64006400u, (b8 & 0x00F000F0u) | 0x64006400u, x.z, x.w);
+  }
+  return make_float2(d[0], d[2]);
+}
+
+// gate_up with S blocks of 128 codes per warp (H = 128 * S * WARPS)
+template <int S>
+__device__ void gate_up_mma(const __half* x, const __half* logits, const long long* given, const void* w1,
+                            const __half* s1, const uint8_t* z1, const __half* b1, float* act, int T, int H, int I,
+                            int E, int K, int flags, int alpha_b, int beta_b, int limit_b) {
+  __shared__ __align__(16) uint4 xs[WARPS][S * 16];
+  __shared__ float2 sums[WARPS][S];
+  __shared__ float red[WARPS][16];
+  __shared__ float wr[WARPS][MAX_K];
+  __shared__ long long ir[WARPS][MAX_K];
+  int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, tok = blockIdx.x;
+  // every warp routes the token itself (the same result): no barrier before its weight loads
+  route_warp(logits, given, tok, E, K, flags, ir[warp], wr[warp]);
+  if (blockIdx.y == 0 && warp == 0) {  // the routing behind the act rows, for moe_down_mma
+    float* tail = act + (long long)T * K * I + 2LL * K * tok;
+    for (int j = lane; j < K; j += 32) tail[j] = wr[0][j], tail[K + j] = __int_as_float((int)ir[0][j]);
+  }
+  float alpha = bits(alpha_b), beta = bits(beta_b), limit = bits(limit_b);
+  int nb = H / 128, ng = K * I / 8, rpe = I / 8;
+  bool staged = false;
+  for (int n = blockIdx.y; n < ng; n += gridDim.y) {
+    int j = n / rpe, r = (n - j * rpe) * 8 + g;
+    long long e = ir[warp][j];
+    bool ok = e >= 0;
+    long long ra = (ok ? e : 0) * 2 * I + r, rb = ra + I;
+    const uint4* pa = (const uint4*)((const uint8_t*)w1 + ra * (H / 2));
+    const uint4* pb = (const uint4*)((const uint8_t*)w1 + rb * (H / 2));
+    uint4 wa[S], wb[S];
+    float sa[S], sb[S], za[S], zb[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      int blk = warp * S + s, q = blk * 4 + c;
+      wa[s] = __ldg(pa + q), wb[s] = __ldg(pb + q);
+      sa[s] = __half2float(__ldg(s1 + ra * nb + blk)), sb[s] = __half2float(__ldg(s1 + rb * nb + blk));
+      za[s] = (flags & ZERO_POINTS) ? (float)__ldg(z1 + ra * nb + blk) : 8.f;
+      zb[s] = (flags & ZERO_POINTS) ? (float)__ldg(z1 + rb * nb + blk) : 8.f;
+    }
+    if (!staged) {  // this warp's part of x, once, while its first loads fly
+      stage_mma(x + (long long)tok * H + warp * S * 128, S * 128, xs[warp], sums[warp]);
+      __syncwarp();
+      staged = true;
+    }
+    float ga = 0.f, ub = 0.f;
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      float2 d = mma_step(wa[s], wb[s], &xs[warp][s * 4 + c], S * 4);
+      float2 sm = sums[warp][s];
+      ga += sa[s] * (d.x - 1024.f * sm.x - za[s] * sm.y);
+      ub += sb[s] * (d.y - 1024.f * sm.x - zb[s] * sm.y);
+    }
+    if (c == 0) red[warp][g] = ga, red[warp][8 + g] = ub;
+    __syncthreads();
+    if (warp == 0 && c == 0) {
+      float gs = 0.f, us = 0.f;
+#pragma unroll
+      for (int k2 = 0; k2 < WARPS; ++k2) gs += red[k2][g], us += red[k2][8 + g];
+      float out = 0.f;
+      if (ok) {
+        if (flags & BIAS) gs += ld(b1, e * 2 * I + r), us += ld(b1, e * 2 * I + I + r);
+        out = swiglu(gs, us, alpha, beta, limit);
+      }
+      act[((long long)tok * K + j) * I + r] = out;
+    }
+    __syncthreads();  // red is written again by the next group
+  }
+}
+
+// down with at most S blocks of 128 codes per warp (k * I <= 128 * S * WARPS)
+template <int S>
+__device__ void down_mma(const float* act, const void* w2, const __half* s2, const uint8_t* z2, const __half* b2,
+                         const __half* shared, const __half* gate, __half* out, int T, int H, int I, int K, int flags) {
+  __shared__ __align__(16) uint4 xs[WARPS][S * 16];
+  __shared__ float2 sums[WARPS][S];
+  __shared__ float red[WARPS][16];
+  int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, tok = blockIdx.x;
+  int nst = K * I / 128, st0 = warp * nst / WARPS, cnt = (warp + 1) * nst / WARPS - st0, nb = I / 128;
+  const float* tail = act + (long long)T * K * I + 2LL * K * tok;  // the routing gate_up left: k weights, k ids
+  bool staged = false;
+  for (int h0 = blockIdx.y * 16; h0 < H; h0 += gridDim.y * 16) {
+    uint4 wa[S], wb[S];
+    float sa[S], sb[S], za[S], zb[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      if (s >= cnt) break;
+      int st = st0 + s, j = st / nb, blk = st - j * nb, q = blk * 4 + c;
+      int e = __float_as_int(tail[K + j]);
+      bool ok = e >= 0;
+      float wj = ok ? tail[j] : 0.f;
+      long long ra = (ok ? e : 0) * H + h0 + g, rb = ra + 8;
+      wa[s] = __ldg((const uint4*)((const uint8_t*)w2 + ra * (I / 2)) + q);
+      wb[s] = __ldg((const uint4*)((const uint8_t*)w2 + rb * (I / 2)) + q);
+      sa[s] = __half2float(__ldg(s2 + ra * nb + blk)) * wj, sb[s] = __half2float(__ldg(s2 + rb * nb + blk)) * wj;
+      za[s] = (flags & ZERO_POINTS) ? (float)__ldg(z2 + ra * nb + blk) : 8.f;
+      zb[s] = (flags & ZERO_POINTS) ? (float)__ldg(z2 + rb * nb + blk) : 8.f;
+    }
+    if (!staged) {  // this warp's blocks of the token's k act rows (contiguous), while its first loads fly
+      stage_mma(act + (long long)tok * K * I + st0 * 128, cnt * 128, xs[warp], sums[warp]);
+      __syncwarp();
+      staged = true;
+    }
+    float ya = 0.f, yb = 0.f;
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      if (s >= cnt) break;
+      float2 d = mma_step(wa[s], wb[s], &xs[warp][s * 4 + c], cnt * 4);
+      float2 sm = sums[warp][s];
+      ya += sa[s] * (d.x - 1024.f * sm.x - za[s] * sm.y);
+      yb += sb[s] * (d.y - 1024.f * sm.x - zb[s] * sm.y);
+    }
+    if (c == 0) red[warp][g] = ya, red[warp][8 + g] = yb;
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      int row = h0 + threadIdx.x;
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) total += red[w][threadIdx.x];
+      if (flags & BIAS)
+        for (int j = 0; j < K; ++j) {
+          int e = __float_as_int(tail[K + j]);
+          if (e >= 0) total += tail[j] * ld(b2, (long long)e * H + row);
+        }
+      st_out(out, (long long)tok * H + row, total, flags, shared, gate, tok);
+    }
+    __syncthreads();
+  }
+}
+
+// The lowering dispatches these only where its cuda_mma_steps holds; anything else traps rather than computing
+// a wrong sum. gate_up's minimum of resident workgroups per SM: 3 up to S = 2 (80 registers, no spill; without a
+// minimum ptxas of CUDA 13.0 gave S = 2 48 registers and a spill), 1 above (3 spills there).
+#ifndef MMA_GATE_MIN_BLOCKS
+#define MMA_GATE_MIN_BLOCKS(S) ((S) <= 2 ? 3 : 1)
+#endif
+__device__ __forceinline__ bool mma_shape(int flags, int bs, int H, int I) {
+  return (flags & F16) && (flags & INT4) && bs == 128 && H % 16 == 0 && I % 128 == 0;
+}
+#define GATE_UP_MMA(S)                                                                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS, MMA_GATE_MIN_BLOCKS(S)) moe_gate_up_mma##S##_f16(                                \
+      const __half* x, const __half* logits, const long long* given, const void* w1, const __half* s1,           \
+      const uint8_t* z1, const __half* b1, float* act, int t, int H, int I, int E, int K, int bs, int flags,     \
+      int alpha_b, int beta_b, int limit_b) {                                                                    \
+    if (!mma_shape(flags, bs, H, I) || H != 128 * S * WARPS) __trap();                                           \
+    gate_up_mma<S>(x, logits, given, w1, s1, z1, b1, act, t, H, I, E, K, flags, alpha_b, beta_b, limit_b);       \
+  }
+#define DOWN_MMA(S)                                                                                              \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down_mma##S##_f16(                                   \
+      const __half* logits, const long long* given, const float* act, const void* w2, const __half* s2,          \
+      const uint8_t* z2, const __half* b2, const __half* shared, const __half* gate, __half* out, int t, int H,  \
+      int I, int E, int K, int bs, int flags, int alpha_b, int beta_b, int limit_b) {                            \
+    (void)logits, (void)given, (void)E, (void)alpha_b, (void)beta_b, (void)limit_b;                             \
+    if (!mma_shape(flags, bs, H, I) || K * I > 128 * S * WARPS) __trap();                                        \
+    down_mma<S>(act, w2, s2, z2, b2, shared, gate, out, t, H, I, K, flags);                                      \
+  }
+// MMA_GATE_STEPS and MMA_DOWN_STEPS in lowering.py: the S of each export
+GATE_UP_MMA(1)
+GATE_UP_MMA(2)
+GATE_UP_MMA(3)
+GATE_UP_MMA(4)
+DOWN_MMA(2)
+DOWN_MMA(4)
+DOWN_MMA(6)
+DOWN_MMA(8)
