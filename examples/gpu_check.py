@@ -296,6 +296,10 @@ MOE_SAMPLES = {
                         addend=True),
     "int4-softmax-mma": dict(dtype=np.float16, dims=(16, 4, 1024, 256), bs=128, zp=True, mode="softmax_topk",
                              normalize=0),
+    # the largest steps of each kernel: gate_up's 4 (H = 4096), down's 8 (k * I = 7168)
+    "int4-h4096-mma": dict(dtype=np.float16, dims=(4, 2, 4096, 128), bs=128, zp=True, mode="softmax_topk", normalize=1),
+    "int4-k8i896-mma": dict(dtype=np.float16, dims=(8, 8, 1024, 896), bs=128, zp=False, mode="topk_softmax",
+                            normalize=1),
 }
 MOE_TOKENS = (1, 3, 8)  #: token counts each sample runs (decode, ragged, a prefill chunk)
 

@@ -481,6 +481,37 @@ def test_fused_moe_takes_the_tensor_core_pair_on_iree_cuda_where_it_applies(tmp_
         assert np.abs(got - want).max() <= 1e-2 * max(1.0, float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("el, bs, h, i, k, steps", [
+    ("f16", 128, 2048, 768, 8, (2, 6)),     # Qwen3-30B-A3B's layer
+    ("f16", 128, 2048, 1408, 4, (2, 6)),    # Qwen1.5-MoE-A2.7B's (k * I = 5632)
+    ("f16", 128, 4096, 1024, 8, (4, 8)),    # the largest steps: H = 4096, k * I = 8192
+    ("f16", 128, 4096, 1152, 8, None),      # k * I = 9216: more than down's 8 steps a warp
+    ("f16", 128, 5120, 128, 2, None),       # H = 1024 * 5
+    ("f16", 128, 2880, 2880, 4, None),      # gpt-oss's H: not 1024 S
+    ("f16", 128, 2048, 704, 4, None),       # I not a multiple of 128
+    ("f16", 64, 2048, 768, 8, None),        # blocks of 64
+    ("f16", 0, 2048, 768, 8, None),         # float experts
+    ("f32", 128, 2048, 768, 8, None),
+])
+def test_the_tensor_core_pair_takes_the_shapes_its_exports_hold(el, bs, h, i, k, steps):
+    """``cuda_mma_steps``: the (gate_up S, down S) of the exports moe_cuda.cu has (H = 1024 S for S in
+    MMA_GATE_STEPS, the smallest down S in MMA_DOWN_STEPS with k * I <= 1024 S), None outside them."""
+    from rewrite.plugins.moe.lowering import cuda_mma_steps
+
+    assert cuda_mma_steps(el, bs, h, i, k) == steps
+
+
+def test_one_launch_keeps_moe_fused_where_the_tensor_core_pair_would_apply(tmp_path):
+    """``moe.launches=1`` takes moe_fused (the other pair's arithmetic in one launch) on a shape the tensor-core
+    pair takes by default."""
+    attrs, hidden, scores, weights = _int4_sample("softmax_topk", 1024, 256, 128, True, k=2)
+    path = tmp_path / "m.onnx"
+    onnx.save(_moe_model(attrs, hidden, scores, weights), path)
+    m = apply(path, tmp_path / "out", backend="iree", target="cuda", plugins="moe", options={"moe": {"launches": 1}})
+    mlir = (tmp_path / "out" / m.files["mlir"]).read_text()
+    assert mlir.count("::@moe_fused_f16[") == 1 and "_mma" not in mlir
+
+
 @pytest.mark.parametrize("opts, message", [({"launches": 3}, "moe: option launches=3; 1 or 2 expected"),
                                            ({"launches": True}, "moe: option launches=True; 1 or 2 expected"),
                                            ({"lanches": 2}, "moe: unknown option 'lanches'; options: residual, shared, launches, tensor_cores"),

@@ -497,7 +497,8 @@ class MoE(Plugin):
     description = "Fuse each MoE block's routed experts (router + SwiGLU experts + weighted sum) into FusedMoE"
     opset_range = (13, 28)
     kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "kernels/moe_cpu.c"),
-               KernelObject("moe_fused_f32/f16 (and moe_gate_up, moe_down)", "iree", "cuda", "kernels/moe_cuda.cu"))
+               KernelObject("moe_gate_up_f32/f16, moe_down_f32/f16, the tensor-core moe_gate_up_mma<S>_f16 and "
+                            "moe_down_mma<S>_f16, moe_fused_f32/f16", "iree", "cuda", "kernels/moe_cuda.cu"))
 
     @property
     def rules(self):

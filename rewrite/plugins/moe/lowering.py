@@ -308,10 +308,11 @@ class FusedMoE(AbstractOp):
         for every gate_up workgroup after issuing its first weight loads; the kernel's comment gives the argument
         that the wait ends), the act rows an f32 [T*k, I] scratch result no one reads; a launch fewer, but 16%
         more GPU time per layer at the seeds' decode shapes on an H100 (BENCHMARKS.md), and past
-        :data:`CUDA_SYNC_SLOTS` sites in a module (each has its own counters) the two kernels again. Where
-        :func:`cuda_mma_steps` holds (f16, INT4 blocks of 128: the seeds' decode layers) and the option
-        ``moe.tensor_cores`` is not false, the two kernels are the tensor-core pair ``moe_gate_up_mma<S>_f16`` on
-        (T, k * I / 8) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and constants. The INT4
+        :data:`CUDA_SYNC_SLOTS` sites in a module (each has its own counters) the two kernels again. With two
+        launches (the default), where :func:`cuda_mma_steps` holds (f16, INT4 blocks of 128: the seeds' decode
+        layers) and the option ``moe.tensor_cores`` is not false, the two kernels are the tensor-core pair
+        ``moe_gate_up_mma<S>_f16`` on (T, k * I / 8) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and
+        constants (``moe_fused`` and the sites past its slots keep the other pair). The INT4
         dequantization is inside the dot product (the kernel source's header gives the fast path); down adds the
         gated shared expert and the addend in its store. The scalars are i32 push constants (10; moe_fused also
         its two row-block counts and its site).

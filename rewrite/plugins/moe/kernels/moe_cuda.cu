@@ -6,8 +6,8 @@
 // (moe_fused also gy1, gy2: the row blocks per token of each half, and its dispatch site's counter slot).
 // moe_gate_up_mma<S>_f16 / moe_down_mma<S>_f16 are the same pair on the tensor cores for f16 INT4 blocks of 128
 // (the lowering's choice where its shape allows; the last section of this file), with the same bindings.
-// moe_fused_<el> is both halves in one launch (the lowering's choice; see fused() below): bindings x, logits, ids,
-// w1, s1, z1, b1, w2, s2, z2, b2, shared, gate, out, act. moe_gate_up_<el> then moe_down_<el> are the same work in
+// moe_fused_<el> is both halves in one launch (the lowering's choice with moe.launches=1; see fused() below):
+// bindings x, logits, ids, w1, s1, z1, b1, w2, s2, z2, b2, shared, gate, out, act. moe_gate_up_<el> then moe_down_<el> are the same work in
 // two launches (down's bindings: logits, ids, act, w2, s2, z2, b2, shared, gate, out).
 // Layouts and semantics: the contract of ai.rewrite::FusedMoE (rewrite/plugins/moe/lowering.py) and the CPU
 // kernels (moe_cpu.c), which these follow step for step:
@@ -159,6 +159,11 @@ template <typename T>
 __device__ __forceinline__ void route_warp(const T* __restrict__ logits, const long long* __restrict__ given, int t,
                                            int E, int K, int flags, long long* ids, float* w) {
   int lane = threadIdx.x & 31;
+#ifdef NO_ROUTE  // as in route()
+  for (int j = lane; j < K; j += 32) ids[j] = j, w[j] = 1.f / K;
+  __syncwarp();
+  return;
+#endif
   if (flags & ROUTED) {
     for (int j = lane; j < K; j += 32) {
       long long e = given[(long long)t * K + j];
@@ -814,8 +819,9 @@ __device__ void down_mma(const float* act, const void* w2, const __half* s2, con
 }
 
 // The lowering dispatches these only where its cuda_mma_steps holds; anything else traps rather than computing
-// a wrong sum. gate_up's minimum of resident workgroups per SM: 3 up to S = 2 (80 registers, no spill; without a
-// minimum ptxas of CUDA 13.0 gave S = 2 48 registers and a spill), 1 above (3 spills there).
+// a wrong sum. gate_up's minimum of resident workgroups per SM: 3 up to S = 2 (80 registers, no spill; 96 and 2
+// workgroups with a minimum of 1, measured slower; a first build of S = 2 without routing and with no minimum got
+// 48 registers and a spill from ptxas of CUDA 13.0), 1 above (3 spills there).
 #ifndef MMA_GATE_MIN_BLOCKS
 #define MMA_GATE_MIN_BLOCKS(S) ((S) <= 2 ? 3 : 1)
 #endif
