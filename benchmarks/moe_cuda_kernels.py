@@ -14,7 +14,9 @@ compare directly. The kernels are launched as IREE launches them (rewrite/plugin
 ``lower_iree_cuda``): the bindings' pointers, then the 10 push constants as 32-bit integers, on the same grid.
 Where the lowering takes the tensor-core pair (``cuda_mma_steps``: the seeds' shapes, either mode) and the
 source has its exports, that pair runs on its grid (the row's variant name gets ``/mma``); ``mma=0`` keeps the
-other pair.
+other pair, ``mix=1`` takes the other pair's gate_up with the tensor-core down (``/mix``: the same act rows and
+routing tail between them; not a choice of the lowering). ``MMA_ROUTE_ONCE`` (a macro of moe_cuda.cu) makes the
+tensor-core gate_up route in warp 0 while the other warps stage x, then a barrier, as the other pair does.
 ``--mode routed`` (the default)
 gives the kernels the experts and weights, as the ``topk`` router does in the seeds' models; ``logits`` lets them
 route from the router logits.
@@ -63,13 +65,14 @@ def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
 
 
 def parse_variant(spec: str, gate: int, down: int) -> dict:
-    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0]`` -> {name, source, defines, gate, down, mma}."""
+    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0][,mix=1]`` -> {name, source, defines, gate, down,
+    mma, mix}."""
     name, _, rest = spec.partition("=")
     source, *opts = rest.split(",")
-    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1)
+    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1, mix=0)
     for o in opts:
         key, _, val = o.partition("=")
-        if key in ("gate", "down", "mma"):
+        if key in ("gate", "down", "mma", "mix"):
             v[key] = int(val)
         else:
             v["defines"].append(o)
@@ -104,7 +107,8 @@ def main() -> int:
     from rewrite.plugins.moe.lowering import CUDA_DOWN_ROWS, CUDA_GATE_ITEMS, CUDA_THREADS, FusedMoE, cuda_mma_steps
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", action="append", default=[], help="NAME=SOURCE[,MACRO...][,gate=N][,down=N] (repeatable)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=SOURCE[,MACRO...][,gate=N][,down=N][,mma=0][,mix=1] (repeatable)")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel per shape, no timing")
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--reps", type=int, default=REPS)
@@ -114,7 +118,7 @@ def main() -> int:
     args = ap.parse_args()
     shipped = ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu"
     variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS) for v in args.variant] or \
-        [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS, mma=1)]
+        [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS, mma=1, mix=0)]
     for v in variants:
         mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",  # quoted includes: its folder, the shipped one's
                            options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",
@@ -210,7 +214,10 @@ def main() -> int:
                 grid2 = (t, -(-h // v["down"]))
                 steps = cuda_mma_steps("f16", BLOCK, h, i, k)
                 label = v["name"]
-                if steps in v["mma_kernels"]:  # the lowering's tensor-core pair and its grids
+                if steps in v["mma_kernels"] and v["mix"]:  # the other gate_up, the tensor-core down
+                    down, grid2 = v["mma_kernels"][steps][1], (t, h // 16)
+                    label += "/mix"
+                elif steps in v["mma_kernels"]:  # the lowering's tensor-core pair and its grids
                     (gate_up, down), grid1, grid2 = v["mma_kernels"][steps], (t, k * i // 8), (t, h // 16)
                     label += "/mma"
 

@@ -702,18 +702,27 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
   __shared__ float wr[WARPS][MAX_K];
   __shared__ long long ir[WARPS][MAX_K];
   int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, tok = blockIdx.x;
+#ifdef MMA_ROUTE_ONCE  // a variant for benchmarks/moe_cuda_kernels.py: warp 0 routes while the others stage x
+  if (warp == 0) route_warp(logits, given, tok, E, K, flags, ir[0], wr[0]);
+  stage_mma(x + (long long)tok * H + warp * S * 128, S * 128, xs[warp], sums[warp]);
+  __syncthreads();
+  const long long* ids = ir[0];
+  bool staged = true;
+#else
   // every warp routes the token itself (the same result): no barrier before its weight loads
   route_warp(logits, given, tok, E, K, flags, ir[warp], wr[warp]);
+  const long long* ids = ir[warp];
+  bool staged = false;
+#endif
   if (blockIdx.y == 0 && warp == 0) {  // the routing behind the act rows, for moe_down_mma
     float* tail = act + (long long)T * K * I + 2LL * K * tok;
     for (int j = lane; j < K; j += 32) tail[j] = wr[0][j], tail[K + j] = __int_as_float((int)ir[0][j]);
   }
   float alpha = bits(alpha_b), beta = bits(beta_b), limit = bits(limit_b);
   int nb = H / 128, ng = K * I / 8, rpe = I / 8;
-  bool staged = false;
   for (int n = blockIdx.y; n < ng; n += gridDim.y) {
     int j = n / rpe, r = (n - j * rpe) * 8 + g;
-    long long e = ir[warp][j];
+    long long e = ids[j];
     bool ok = e >= 0;
     long long ra = (ok ? e : 0) * 2 * I + r, rb = ra + I;
     const uint4* pa = (const uint4*)((const uint8_t*)w1 + ra * (H / 2));
