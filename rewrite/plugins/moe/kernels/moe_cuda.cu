@@ -838,7 +838,8 @@ __device__ __forceinline__ bool mma_shape(int flags, int bs, int H, int I) {
   return (flags & F16) && (flags & INT4) && bs == 128 && H % 16 == 0 && I % 128 == 0;
 }
 #define GATE_UP_MMA(S)                                                                                           \
-  extern "C" __global__ void __launch_bounds__(THREADS, MMA_GATE_MIN_BLOCKS(S)) moe_gate_up_mma##S##_f16(                                \
+  extern "C" __global__ void __launch_bounds__(THREADS, MMA_GATE_MIN_BLOCKS(S))                                  \
+      moe_gate_up_mma##S##_f16(                                                                                  \
       const __half* x, const __half* logits, const long long* given, const void* w1, const __half* s1,           \
       const uint8_t* z1, const __half* b1, float* act, int t, int H, int I, int E, int K, int bs, int flags,     \
       int alpha_b, int beta_b, int limit_b) {                                                                    \
@@ -846,11 +847,11 @@ __device__ __forceinline__ bool mma_shape(int flags, int bs, int H, int I) {
     gate_up_mma<S>(x, logits, given, w1, s1, z1, b1, act, t, H, I, E, K, flags, alpha_b, beta_b, limit_b);       \
   }
 #define DOWN_MMA(S)                                                                                              \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down_mma##S##_f16(                                   \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down_mma##S##_f16(                                \
       const __half* logits, const long long* given, const float* act, const void* w2, const __half* s2,          \
       const uint8_t* z2, const __half* b2, const __half* shared, const __half* gate, __half* out, int t, int H,  \
       int I, int E, int K, int bs, int flags, int alpha_b, int beta_b, int limit_b) {                            \
-    (void)logits, (void)given, (void)E, (void)alpha_b, (void)beta_b, (void)limit_b;                             \
+    (void)logits, (void)given, (void)E, (void)alpha_b, (void)beta_b, (void)limit_b;                              \
     if (!mma_shape(flags, bs, H, I) || K * I > 128 * S * WARPS) __trap();                                        \
     down_mma<S>(act, w2, s2, z2, b2, shared, gate, out, t, H, I, K, flags);                                      \
   }
