@@ -501,6 +501,46 @@ def test_the_tensor_core_pair_takes_the_shapes_its_exports_hold(el, bs, h, i, k,
     assert cuda_mma_steps(el, bs, h, i, k) == steps
 
 
+def test_the_tensor_core_down_takes_the_shared_expert_and_the_addend(tmp_path):
+    """A FusedMoE with Qwen1.5-MoE's gated shared expert (inputs 12, 13) and the residual as addend (input 11) on a
+    shape of the tensor-core pair: its down dispatch binds the shared expert, its gate and the addend (tied in
+    place as the output); with a CUDA device, the outputs equal the reference at 1, 3 and 8 tokens."""
+    from onnx import helper
+
+    def model(attrs, hidden, scores, weights):
+        m = _moe_model(attrs, hidden, scores, weights)
+        node = m.graph.node[-1]
+        del node.input[len(node.input):]
+        node.input.extend([""] * (11 - len(node.input)) + ["res", "sh", "sg"])
+        dt, h = helper.np_dtype_to_tensor_dtype(hidden.dtype), hidden.shape[1]
+        m.graph.input.extend([helper.make_tensor_value_info("res", dt, ["T", h]),
+                              helper.make_tensor_value_info("sh", dt, ["T", h]),
+                              helper.make_tensor_value_info("sg", dt, ["T", 1])])
+        return m
+
+    attrs, hidden, scores, weights = _int4_sample("softmax_topk", 1024, 256, 128, True, k=2)
+    path = tmp_path / "m.onnx"
+    onnx.save(model(attrs, hidden, scores, weights), path)
+    m = apply(path, tmp_path / "out", backend="iree", target="cuda")
+    mlir = (tmp_path / "out" / m.files["mlir"]).read_text()
+    (down,) = [line for line in mlir.splitlines() if "::@moe_down_mma2_f16[" in line]
+    assert mlir.count("::@moe_gate_up_mma1_f16[") == 1 and "_sh_mma12::" in down  # the executable with the shared expert
+    assert re.search(r"\) -> %\w+\{", down)  # its output is an operand (the addend), tied in place
+    if not _cuda_device():
+        return
+    runner = load_runner(tmp_path / "out")
+    rng = np.random.default_rng(1)
+    for t in (1, 3, 8):
+        a, x, sc, w = _int4_sample("softmax_topk", 1024, 256, 128, True, k=2, t=t)
+        res, sh = (rng.standard_normal((t, 1024)).astype(np.float16) for _ in range(2))
+        sg = rng.standard_normal((t, 1)).astype(np.float16)
+        from rewrite.plugins.moe.lowering import FusedMoE
+
+        want = FusedMoE().reference(a, x, sc, *w, res, sh, sg)[0].astype(np.float64)
+        got = runner.run({"hidden": x, "scores": sc, "res": res, "sh": sh, "sg": sg})["y"].astype(np.float64)
+        assert np.abs(got - want).max() <= 1e-2 * max(1.0, float(np.abs(want).max()))
+
+
 def test_one_launch_keeps_moe_fused_where_the_tensor_core_pair_would_apply(tmp_path):
     """``moe.launches=1`` takes moe_fused (the other pair's arithmetic in one launch) on a shape the tensor-core
     pair takes by default."""
