@@ -507,6 +507,8 @@ def test_the_tensor_core_down_takes_the_shared_expert_and_the_addend(tmp_path):
     place as the output); with a CUDA device, the outputs equal the reference at 1, 3 and 8 tokens."""
     from onnx import helper
 
+    from rewrite.plugins.moe.lowering import FusedMoE
+
     def model(attrs, hidden, scores, weights):
         m = _moe_model(attrs, hidden, scores, weights)
         node = m.graph.node[-1]
@@ -534,8 +536,6 @@ def test_the_tensor_core_down_takes_the_shared_expert_and_the_addend(tmp_path):
         a, x, sc, w = _int4_sample("softmax_topk", 1024, 256, 128, True, k=2, t=t)
         res, sh = (rng.standard_normal((t, 1024)).astype(np.float16) for _ in range(2))
         sg = rng.standard_normal((t, 1)).astype(np.float16)
-        from rewrite.plugins.moe.lowering import FusedMoE
-
         want = FusedMoE().reference(a, x, sc, *w, res, sh, sg)[0].astype(np.float64)
         got = runner.run({"hidden": x, "scores": sc, "res": res, "sh": sh, "sg": sg})["y"].astype(np.float64)
         assert np.abs(got - want).max() <= 1e-2 * max(1.0, float(np.abs(want).max()))

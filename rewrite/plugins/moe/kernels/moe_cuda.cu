@@ -691,6 +691,25 @@ __device__ __forceinline__ float2 mma_step(uint4 wa, uint4 wb, const uint4* xq, 
   return make_float2(d[0], d[2]);
 }
 
+// The sums of two rows (g and g + 8) over this warp's first n of its S steps: per step the scale times
+// D - 1024 S - zp X (the correction in the header above), against the warp's staged vector xs (n steps of it) and
+// its per-block sums.
+template <int S>
+__device__ __forceinline__ float2 mma_rows(const uint4 (&wa)[S], const uint4 (&wb)[S], const float (&sa)[S],
+                                           const float (&sb)[S], const float (&za)[S], const float (&zb)[S], int n,
+                                           const uint4* xs, const float2* sums, int c) {
+  float ya = 0.f, yb = 0.f;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    if (s >= n) break;
+    float2 d = mma_step(wa[s], wb[s], &xs[s * 4 + c], n * 4);
+    float2 sm = sums[s];
+    ya += sa[s] * (d.x - 1024.f * sm.x - za[s] * sm.y);
+    yb += sb[s] * (d.y - 1024.f * sm.x - zb[s] * sm.y);
+  }
+  return make_float2(ya, yb);
+}
+
 // gate_up with S blocks of 128 codes per warp (H = 128 * S * WARPS)
 template <int S>
 __device__ void gate_up_mma(const __half* x, const __half* logits, const long long* given, const void* w1,
@@ -742,15 +761,8 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
       __syncwarp();
       staged = true;
     }
-    float ga = 0.f, ub = 0.f;
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      float2 d = mma_step(wa[s], wb[s], &xs[warp][s * 4 + c], S * 4);
-      float2 sm = sums[warp][s];
-      ga += sa[s] * (d.x - 1024.f * sm.x - za[s] * sm.y);
-      ub += sb[s] * (d.y - 1024.f * sm.x - zb[s] * sm.y);
-    }
-    if (c == 0) red[warp][g] = ga, red[warp][8 + g] = ub;
+    float2 y = mma_rows<S>(wa, wb, sa, sb, za, zb, S, xs[warp], sums[warp], c);
+    if (c == 0) red[warp][g] = y.x, red[warp][8 + g] = y.y;
     __syncthreads();
     if (warp == 0 && c == 0) {
       float gs = 0.f, us = 0.f;
@@ -800,16 +812,8 @@ __device__ void down_mma(const float* act, const void* w2, const __half* s2, con
       __syncwarp();
       staged = true;
     }
-    float ya = 0.f, yb = 0.f;
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      if (s >= cnt) break;
-      float2 d = mma_step(wa[s], wb[s], &xs[warp][s * 4 + c], cnt * 4);
-      float2 sm = sums[warp][s];
-      ya += sa[s] * (d.x - 1024.f * sm.x - za[s] * sm.y);
-      yb += sb[s] * (d.y - 1024.f * sm.x - zb[s] * sm.y);
-    }
-    if (c == 0) red[warp][g] = ya, red[warp][8 + g] = yb;
+    float2 y = mma_rows<S>(wa, wb, sa, sb, za, zb, cnt, xs[warp], sums[warp], c);
+    if (c == 0) red[warp][g] = y.x, red[warp][8 + g] = y.y;
     __syncthreads();
     if (threadIdx.x < 16) {
       int row = h0 + threadIdx.x;
