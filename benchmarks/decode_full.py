@@ -125,7 +125,7 @@ def prepare(arch: str, out: Path, work: Path, max_seq: int, reference: bool = Fa
     the bundle is skipped)."""
     import seed_form
 
-    seed = work / "seed" / "model.onnx"
+    seed = (seed_dir or work / "seed") / "model.onnx"
     if not seed.exists():
         t0 = time.perf_counter()
         seed_form.export_seeded(arch, seed.parent, **_sizes(arch, max_seq, layers))
@@ -512,11 +512,14 @@ def _measure_torch(arch: str, prompt: list[int], max_seq: int, layers: int | Non
 
 
 def run(bundle: Path, work: Path, configs: list[str], threads: int | None, iree_flags: list[str] = (),
-        label: str | None = None, keep: bool = False) -> int:
+        label: str | None = None, keep: bool = False, seed_dir: Path | None = None) -> int:
     """Measure ``configs`` (see the module's docstring). ``iree_flags``: IREE runtime flags parsed before the
     device is created (e.g. ``--cuda_use_streams=false``: command buffers as CUDA graphs); ``label``: results go
     to ``NAME.LABEL.json`` (the same configuration under other runtime flags); ``keep``: leave each IREE folder
-    in ``work`` and reuse one already there instead of applying again (a second process measuring it)."""
+    in ``work`` and reuse one already there instead of applying again (a second process measuring it);
+    ``seed_dir``: where the seed form's weights are regenerated (default ``work/seed``), e.g. ``/dev/shm/seed``
+    where the disk cannot hold them beside a folder's ``.irpa`` (Qwen3-30B-A3B without ``moe``: 32.8 GB each;
+    the folder's ``model.onnx`` then reaches them through a symbolic link while its ``.irpa`` is written)."""
     import seed_form
     import seeded_weights
 
@@ -532,7 +535,7 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None, iree_
     cfg = seed_form.seed_config("fp16", arch, **_sizes(arch, max_seq, layers))
     results = work / "results"
     results.mkdir(parents=True, exist_ok=True)
-    seed = work / "seed" / "model.onnx"
+    seed = (seed_dir or work / "seed") / "model.onnx"
     if not (seed.parent / "model.onnx.data").exists():
         seed.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(bundle / "seed" / "model.onnx", seed)
@@ -692,12 +695,15 @@ def main() -> int:
     r.add_argument("--configs", default="bandwidth,reference,iree,ort,torch,iree-plain",
                    help="comma list of bandwidth, reference, iree, iree-plain, ort, torch (in this order by default)")
     r.add_argument("--threads", type=int, default=None, help="threads regenerating the weights (default: every core)")
+    r.add_argument("--seed-dir", type=Path, default=None,
+                   help="where the seed form's weights are regenerated (default WORK/seed; e.g. /dev/shm/seed)")
     args = ap.parse_args()
     if args.cmd == "prepare":
         prepare(args.arch, args.out, args.work or args.out.with_suffix(".work"), args.max_seq, args.reference,
                 layers=args.layers, target=args.target, configs=args.configs.split(",") if args.configs else None)
         return 0
-    return run(args.bundle, args.work, args.configs.split(","), args.threads, args.iree_flags.split(), args.label, args.keep)
+    return run(args.bundle, args.work, args.configs.split(","), args.threads, args.iree_flags.split(), args.label,
+               args.keep, args.seed_dir)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from the same rewritten graph, :mod:`rewrite.backends.iree_prebuilt`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from rewrite.backends.base import Manifest, check_feeds
 from rewrite.backends.errors import IreeRuntimeError
 from rewrite.backends.iree_argmax import OP_TYPE as ROW_ARGMAX
 from rewrite.backends.iree_argmax import lower_row_argmax, use_row_argmax
+from rewrite.backends.iree_import import RAW_PARAM_TYPES
 from rewrite.backends.iree_prebuilt import graph_digest, host_cpu, reuse_module, write_params_index
 from rewrite.backends.iree_toolchain import DRIVER_FOR_TARGET, IreeModule, compile_mlir, import_onnx
 from rewrite.core import onnx_io, spill
@@ -230,7 +232,9 @@ def share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int,
     """Point the initializers of the folder's ``onnx_path`` at their bytes in the ``.irpa`` (ONNX external data
     with ``location`` = the ``.irpa``; ``spans``: name -> (offset, length) from the import), so the weights are on
     disk once, not in ``model.onnx.data`` and again in the ``.irpa``. External initializers the ``.irpa`` does not
-    hold move inline when small; the data file is deleted once nothing refers to it."""
+    hold move inline when small, and those left in a link to a source data file (``onnx_io.save``'s
+    ``link_source``) are copied into the folder's data file; a data file or link is deleted once nothing refers to
+    it."""
     try:
         _share_params(onnx_path, params_path, spans)
     except OSError as e:
@@ -259,11 +263,31 @@ def _share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int
             load_external_data_for_tensor(t, str(folder))
             t.data_location = onnx.TensorProto.DEFAULT
             del t.external_data[:]
+    links = onnx_io.source_links(onnx_path, old_files)
+    left = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+            and spill.external_info(t)[0] in links]
+    if left:  # the output folder must not depend on the source model (nor share its file)
+        _copy_into_data_file(left, folder, onnx_path.name + ".data")
     still = {e.value for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
              for e in t.external_data if e.key == "location"}
     onnx.save(model, str(onnx_path))
     for location in old_files - still - {params_path.name}:
         (folder / location).unlink(missing_ok=True)
+
+
+def _copy_into_data_file(tensors: list[onnx.TensorProto], folder: Path, data_name: str) -> None:
+    """Append the external bytes of ``tensors`` to ``folder/data_name`` (64-byte aligned, as ``onnx_io.save``
+    writes it) and point them there."""
+    with open(folder / data_name, "ab") as out:
+        for t in tensors:
+            location, offset, length = spill.external_info(t)
+            out.write(b"\0" * ((-out.tell()) % 64))
+            start = out.tell()
+            onnx_io.copy_span(str(folder / location), offset, length, out, t.name)
+            del t.external_data[:]
+            for key, val in (("location", data_name), ("offset", str(start)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, val
 
 
 def refuse_unsupported(graph: Graph) -> None:
@@ -376,19 +400,21 @@ class IreeBackend:
         onnx_path = folder / manifest.model
         if not graph.name:  # the importer names the entry function after the graph and rejects ""
             graph.name = "main_graph"
-        onnx_io.save(graph, onnx_path, rebase_spilled=True)  # the .irpa is written from it: one copy on disk, not two
+        threshold = int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD))
+        # the .irpa is written from it, then share_params points it there: the weights on disk once, not twice;
+        # the source's parameters (read by file range into the .irpa) are linked, not copied, not a third time
+        onnx_io.save(graph, onnx_path, rebase_spilled=True,
+                     link_source=lambda t: t.data_type in RAW_PARAM_TYPES and math.prod(t.dims) >= threshold)
         model = onnx_io.to_model(graph)
         manifest.inputs = [s.to_json() for s in input_specs(model)]  # the entry function's arguments
         manifest.outputs = [s.to_json() for s in specs_of(model.graph.output)]
-        threshold = int(options.get("param_threshold", DEFAULT_PARAM_THRESHOLD))
         sm = str(options.get("cuda_sm", DEFAULT_CUDA_ARCH))
         if not (sm.startswith("sm_") and sm[3:].isdigit()):
             raise BackendError(f"--cuda-sm {sm}: expected an NVIDIA SM architecture such as sm_80 or sm_90")
         if options.get("module_from"):
             spans, params_path = reuse_module(onnx_path, folder, manifest, Path(options["module_from"]),
                                               stateful=bool(options.get("stateful")), cuda_sm=sm)
-            if spans:
-                share_params(onnx_path, params_path, spans)
+            share_params(onnx_path, params_path, spans)  # (with no spans: what is left in source links copied)
             return
         digest = graph_digest(onnx_path, threshold)  # before share_params points the initializers at the .irpa
         import_path = _import_model(onnx_path, graph)
@@ -403,8 +429,7 @@ class IreeBackend:
             if import_path != onnx_path:
                 import_path.unlink(missing_ok=True)
         manifest.files["param_index"] = write_params_index(folder, res.param_keys, threshold, digest)
-        if res.param_spans:
-            share_params(onnx_path, res.params_path, res.param_spans)
+        share_params(onnx_path, res.params_path, res.param_spans)
         from rewrite.backends.iree_patch import patch_module, unlowered_ops
         from rewrite.backends.iree_stateful import make_module_stateful
         from rewrite.backends.mlir import MlirModule

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: element types whose ONNX raw bytes are the parameter's bytes (the importer writes numpy_helper.to_array's)
-_RAW_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16,
+RAW_PARAM_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16,
               onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
               onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
               onnx.TensorProto.BOOL}
@@ -92,7 +92,7 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
     try:
         for name, key in params:
             t = initializers[name]
-            if t.data_location == onnx.TensorProto.EXTERNAL and t.data_type in _RAW_TYPES:
+            if t.data_location == onnx.TensorProto.EXTERNAL and t.data_type in RAW_PARAM_TYPES:
                 location, offset, length = external_info(t)
                 path = os.path.join(data_dir, location)
                 if path not in fds:
@@ -108,7 +108,7 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
     written.load(param_path)
     where = {key: (entry.file_storage[1], entry.length) for key, entry in written.items()}
     return {name: list(where[key]) for name, key in params
-            if key in where and initializers[name].data_type in _RAW_TYPES}
+            if key in where and initializers[name].data_type in RAW_PARAM_TYPES}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -295,7 +296,8 @@ def tensor_nbytes(t: onnx.TensorProto) -> int:
     return t.ByteSize()
 
 
-def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None, rebase_spilled: bool = False) -> Path:
+def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None, rebase_spilled: bool = False,
+         link_source: Callable[[onnx.TensorProto], bool] | None = None) -> Path:
     """Write the graph to ``path``.
 
     Initializers whose data is in an external file of the source are stream-copied (64 MiB at a time) into
@@ -306,6 +308,15 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None, reb
     data file, and the spill file's ranges are given back (:meth:`Graph.release_spilled`): the plugins' tensors are
     on disk once, not twice, while a backend goes on from the saved model (the full Qwen3-30B-A3B: 14.5 GB of
     repacked experts). The graph then reads them from ``<name>.data``, which must stay where it was written.
+
+    ``link_source``: the initializers still in a source model's data file for which it returns True are not
+    copied; each such source data file gets a link beside ``path`` (``<name>.source<k>.data``: a hard link, or a
+    symbolic link across file systems) and they keep their offsets in it. For a caller that reads them by file
+    range and re-points them at once (the IREE backend writes the ``.irpa`` from this model, then
+    :func:`rewrite.backends.iree.share_params` drops the links): onnx's own external-data reader refuses links
+    (a "hardlink attack"), so a tensor it will read must not be linked. The full Qwen3-30B-A3B without ``moe``
+    keeps 32.8 GB of seed-form experts that would otherwise be on disk three times (source, copy, ``.irpa``) at
+    the peak. :func:`source_links` names the links of a saved model.
 
     Returns the path written. Raises RewriteError when the target directory cannot be written.
     """
@@ -329,7 +340,7 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None, reb
     data_name = path.name + ".data"
     fd, tmp_data = tempfile.mkstemp(dir=path.parent, prefix=".rewrite-", suffix=".data")
     try:
-        _write_external(g, model, path, data_name, fd, total)
+        _write_external(g, model, path, data_name, fd, total, link_source)
         shutil.move(tmp_data, path.parent / data_name)
         if rebase_spilled:
             _rebase_spilled(g, model, str(path.parent))
@@ -356,27 +367,77 @@ def _rebase_spilled(g: Graph, saved: onnx.ModelProto, folder: str) -> None:
     g.release_spilled()
 
 
-def _write_external(g: Graph, model: onnx.ModelProto, path: Path, data_name: str, fd: int, total: int) -> None:
+def copy_span(path: str, offset: int, length: int, out, name: str) -> None:
+    """Stream ``length`` bytes of the file ``path`` from ``offset`` into the open binary file ``out``, 64 MiB at a
+    time (``name``: the tensor they are, for the error).
+
+    Raises:
+        RewriteError: the file ends before ``offset + length``.
+    """
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length > 0:
+            chunk = f.read(min(length, 64 << 20))
+            if not chunk:
+                raise RewriteError(f"external data of '{name}' ends early in {path}")
+            out.write(chunk)
+            length -= len(chunk)
+
+
+_SOURCE_LINK = ".source{}.data"  #: `save`'s links to source data files: ``<model file name>.source<k>.data``
+
+
+def source_links(model_path: Path, locations) -> set[str]:
+    """Those of ``locations`` (external-data locations of the model at ``model_path``) that are links
+    :func:`save` made with ``link_source`` to a source model's data file."""
+    prefix, suffix = Path(model_path).name + ".source", ".data"
+    return {loc for loc in locations
+            if loc.startswith(prefix) and loc.endswith(suffix) and loc[len(prefix):-len(suffix)].isdigit()}
+
+
+def _link(source: str, folder: Path, name: str) -> None:
+    """A hard link ``folder/name`` to the file ``source``, or a symbolic link where a hard link cannot be made
+    (another file system, a file system without them)."""
+    dst = folder / name
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(source, dst)
+    except OSError:
+        os.symlink(os.path.abspath(source), dst)
+
+
+def _write_external(g: Graph, model: onnx.ModelProto, path: Path, data_name: str, fd: int, total: int,
+                    link_source: Callable[[onnx.TensorProto], bool] | None = None) -> None:
     """`save`'s external-data branch: stream every large tensor into the open file ``fd`` (named ``data_name``
-    once moved beside ``path``), point ``model``'s initializers at it, and write ``path``."""
+    once moved beside ``path``), point ``model``'s initializers at it, and write ``path``. With ``link_source``,
+    tensors in a source model's data file are pointed at a link to that file instead (:func:`save`)."""
     inits = model.graph.initializer
+    links: dict[str, str] = {}  # real path of a source data file -> its link's name
     with os.fdopen(fd, "wb") as out, stage("save", total=total, unit="B") as advance:
         for t in inits:
             advance(tensor_nbytes(t))
             src = g.values[t.name]
+            if (link_source is not None and t.data_location == onnx.TensorProto.EXTERNAL
+                    and not spill.is_spilled(t, src.base_dir) and spill.external_info(t)[2] is not None
+                    and link_source(t)):
+                location, off, length = spill.external_info(t)
+                real = os.path.realpath(os.path.join(src.base_dir, location))
+                if real not in links:
+                    links[real] = path.name + _SOURCE_LINK.format(len(links))
+                    _link(real, path.parent, links[real])
+                t_new = onnx.TensorProto()
+                t_new.CopyFrom(t)
+                del t_new.external_data[:]
+                for key, val in (("location", links[real]), ("offset", str(off)), ("length", str(length))):
+                    entry = t_new.external_data.add()
+                    entry.key, entry.value = key, val
+                t.CopyFrom(t_new)
+                continue
             if t.data_location == onnx.TensorProto.EXTERNAL:
                 location, off, length = spill.external_info(t)
                 length = length or 0
-                with open(os.path.join(src.base_dir, location), "rb") as f:
-                    f.seek(off)
-                    start = out.tell()
-                    left = length
-                    while left > 0:
-                        chunk = f.read(min(left, 64 << 20))
-                        if not chunk:
-                            raise RewriteError(f"external data of '{t.name}' ends early in {location}")
-                        out.write(chunk)
-                        left -= len(chunk)
+                start = out.tell()
+                copy_span(os.path.join(src.base_dir, location), off, length, out, t.name)
                 t_new = onnx.TensorProto()
                 t_new.CopyFrom(t)
             elif t.ByteSize() >= EXTERNAL_MIN_BYTES and t.HasField("raw_data"):
