@@ -17,6 +17,8 @@ source has its exports, that pair runs on its grid (the row's variant name gets 
 other pair, ``mix=1`` takes the other pair's gate_up with the tensor-core down (``/mix``: the same act rows and
 routing tail between them; not a choice of the lowering). ``MMA_ROUTE_ONCE`` (a macro of moe_cuda.cu) makes the
 tensor-core gate_up route in warp 0 while the other warps stage x, then a barrier, as the other pair does.
+``mgate=N`` gives the tensor-core gate_up N of its groups per workgroup (its grid's y divided by N; the lowering's
+is one group each); ``MMA_PREFETCH`` (a macro) makes it load a workgroup's next group before the sums of this one.
 ``--mode routed`` (the default)
 gives the kernels the experts and weights, as the ``topk`` router does in the seeds' models; ``logits`` lets them
 route from the router logits.
@@ -65,14 +67,14 @@ def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
 
 
 def parse_variant(spec: str, gate: int, down: int) -> dict:
-    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0][,mix=1]`` -> {name, source, defines, gate, down,
-    mma, mix}."""
+    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0][,mix=1][,mgate=N]`` -> {name, source, defines, gate,
+    down, mma, mix, mgate}."""
     name, _, rest = spec.partition("=")
     source, *opts = rest.split(",")
-    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1, mix=0)
+    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1, mix=0, mgate=1)
     for o in opts:
         key, _, val = o.partition("=")
-        if key in ("gate", "down", "mma", "mix"):
+        if key in ("gate", "down", "mma", "mix", "mgate"):
             v[key] = int(val)
         else:
             v["defines"].append(o)
@@ -108,17 +110,20 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=SOURCE[,MACRO...][,gate=N][,down=N][,mma=0][,mix=1] (repeatable)")
+                    help="NAME=SOURCE[,MACRO...][,gate=N][,down=N][,mma=0][,mix=1][,mgate=N] (repeatable)")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel per shape, no timing")
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--reps", type=int, default=REPS)
-    ap.add_argument("--mode", choices=("routed", "logits"), default="routed",
+    ap.add_argument("--mode", default="routed",
                     help="routed: the experts and weights given (the topk router's, as in the seeds' models); "
-                         "logits: the kernels route from the router logits themselves")
+                         "logits: the kernels route from the router logits themselves; routed,logits: both")
     args = ap.parse_args()
+    if not set(args.mode.split(",")) <= {"routed", "logits"}:
+        ap.error(f"--mode {args.mode}: expected routed, logits or both, comma-separated")
     shipped = ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu"
     variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS) for v in args.variant] or \
-        [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS, mma=1, mix=0)]
+        [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS, mma=1, mix=0,
+              mgate=1)]
     for v in variants:
         mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",  # quoted includes: its folder, the shipped one's
                            options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",
@@ -151,145 +156,147 @@ def main() -> int:
     print(f"{'shape':<18} {'T':>2} {'variant':<12} {'gate_up':>8} {'down':>8} {'layer':>8} {'MB':>6} {'GB/s':>6} "
           f"{'of copy':>8}  check")
     rng = np.random.default_rng(0)
-    for name, (e, k, h, i) in SHAPES.items():
-        layers = []  # drawn on the GPU (random bytes are random pairs of codes); layer 0 also on the host
-        crng = cp.random.RandomState(e)
-        for _ in range(LAYERS):
-            d = dict(fc1=crng.randint(0, 256, (e, 2 * i, h // 2), dtype=cp.uint8),
-                     s1=(crng.uniform(0.5, 1.5, (e, 2 * i, h // BLOCK)) * 0.02).astype(cp.float16),
-                     z1=crng.randint(0, 16, (e, 2 * i, h // BLOCK), dtype=cp.uint8),
-                     fc2=crng.randint(0, 256, (e, h, i // 2), dtype=cp.uint8),
-                     s2=(crng.uniform(0.5, 1.5, (e, h, -(-i // BLOCK))) * 0.02).astype(cp.float16),
-                     z2=crng.randint(0, 16, (e, h, -(-i // BLOCK)), dtype=cp.uint8))
-            layers.append((None, d))
-        layers[0] = ({n: cp.asnumpy(v) for n, v in layers[0][1].items()}, layers[0][1])
-        per_expert = {"gate_up": sum(layers[0][0][n][0].nbytes for n in ("fc1", "s1", "z1")),
-                      "down": sum(layers[0][0][n][0].nbytes for n in ("fc2", "s2", "z2"))}
-        for t in (int(v) for v in args.tokens.split(",")):
-            x = rng.standard_normal((t, h)).astype(np.float16)
-            logits = (rng.standard_normal((t, e)) * 3).astype(np.float16)
-            dummy_ids, dummy_b = cp.zeros(1, cp.int64), cp.zeros(1, cp.float16)
-            lf = logits.astype(np.float32)
-            top = np.argsort(-lf, axis=-1, kind="stable")[:, :k]
-            p = np.exp(lf - lf.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            routed_w = np.take_along_axis(p, top, -1).astype(np.float16)  # softmax then top-k, not normalized
-            dx = cp.asarray(x)
-            dl, given = (cp.asarray(routed_w), cp.asarray(top.astype(np.int64))) if args.mode == "routed" else \
-                (cp.asarray(logits), dummy_ids)
-            # the act rows, then the routing gate_up leaves for down (2 * T * k floats)
-            act, out = cp.zeros(t * k * (i + 2), cp.float32), cp.zeros((t, h), cp.float16)
-            flags = F16 | INT4 | ZERO_POINTS | (ROUTED if args.mode == "routed" else 0)
-            consts = [np.int32(c) for c in (t, h, i, e, k, BLOCK, flags, np.float32(1.0).view(np.int32), 0, 0)]
-            w0 = layers[0][0]
-            attrs = dict(k=k, normalize=0, activation="swiglu", block_size=BLOCK)
-            if args.mode == "routed":
-                want = FusedMoE().reference(dict(attrs, mode="routed"), x, routed_w, w0["fc1"], w0["fc2"], w0["s1"],
-                                            w0["z1"], w0["s2"], w0["z2"], top)[0]
-            else:
-                want = FusedMoE().reference(dict(attrs, mode="softmax_topk"), x, logits, w0["fc1"], w0["fc2"], w0["s1"],
-                                            w0["z1"], w0["s2"], w0["z2"])[0]
-            distinct = len(np.unique(top))
-            nbytes = {kn: distinct * per_expert[kn] for kn in per_expert}
-            if not args.once:  # a device-to-device copy of the layer's bytes (read + write), the same way timed
-                half = (nbytes["gate_up"] + nbytes["down"]) // 2
-                bufs = [(cp.empty(half, cp.uint8), cp.empty(half, cp.uint8)) for _ in range(LAYERS)]
-                copy_us = timed(cp, [lambda n=n: bufs[n % LAYERS][1].__setitem__(Ellipsis, bufs[n % LAYERS][0])
-                                     for n in range(ITERS)], args.reps)
-                print(f"{name:<18} {t:>2} {'copy':<12} {'':>8} {'':>8} {copy_us:>8.1f} {2 * half / 1e6:>6.2f} "
-                      f"{2 * half / copy_us / 1e3:>6.0f} {2 * half / copy_us / 1e3 / (bw / 1e9):>8.1%}  "
-                      "(a copy of as many bytes, read + write)")
-                del bufs
-            def error_of(launch_layer0) -> float:
-                """Relative error against the reference of ``out`` after ``launch_layer0(0)`` (out zeroed first)."""
-                out[...] = 0
-                launch_layer0(0)
-                cp.cuda.Device().synchronize()
-                got = cp.asnumpy(out).astype(np.float64)
-                return float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
+    for mode in args.mode.split(","):
+        print(f"mode: {mode}")
+        for name, (e, k, h, i) in SHAPES.items():
+            layers = []  # drawn on the GPU (random bytes are random pairs of codes); layer 0 also on the host
+            crng = cp.random.RandomState(e)
+            for _ in range(LAYERS):
+                d = dict(fc1=crng.randint(0, 256, (e, 2 * i, h // 2), dtype=cp.uint8),
+                         s1=(crng.uniform(0.5, 1.5, (e, 2 * i, h // BLOCK)) * 0.02).astype(cp.float16),
+                         z1=crng.randint(0, 16, (e, 2 * i, h // BLOCK), dtype=cp.uint8),
+                         fc2=crng.randint(0, 256, (e, h, i // 2), dtype=cp.uint8),
+                         s2=(crng.uniform(0.5, 1.5, (e, h, -(-i // BLOCK))) * 0.02).astype(cp.float16),
+                         z2=crng.randint(0, 16, (e, h, -(-i // BLOCK)), dtype=cp.uint8))
+                layers.append((None, d))
+            layers[0] = ({n: cp.asnumpy(v) for n, v in layers[0][1].items()}, layers[0][1])
+            per_expert = {"gate_up": sum(layers[0][0][n][0].nbytes for n in ("fc1", "s1", "z1")),
+                          "down": sum(layers[0][0][n][0].nbytes for n in ("fc2", "s2", "z2"))}
+            for t in (int(v) for v in args.tokens.split(",")):
+                x = rng.standard_normal((t, h)).astype(np.float16)
+                logits = (rng.standard_normal((t, e)) * 3).astype(np.float16)
+                dummy_ids, dummy_b = cp.zeros(1, cp.int64), cp.zeros(1, cp.float16)
+                lf = logits.astype(np.float32)
+                top = np.argsort(-lf, axis=-1, kind="stable")[:, :k]
+                p = np.exp(lf - lf.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                routed_w = np.take_along_axis(p, top, -1).astype(np.float16)  # softmax then top-k, not normalized
+                dx = cp.asarray(x)
+                dl, given = (cp.asarray(routed_w), cp.asarray(top.astype(np.int64))) if mode == "routed" else \
+                    (cp.asarray(logits), dummy_ids)
+                # the act rows, then the routing gate_up leaves for down (2 * T * k floats)
+                act, out = cp.zeros(t * k * (i + 2), cp.float32), cp.zeros((t, h), cp.float16)
+                flags = F16 | INT4 | ZERO_POINTS | (ROUTED if mode == "routed" else 0)
+                consts = [np.int32(c) for c in (t, h, i, e, k, BLOCK, flags, np.float32(1.0).view(np.int32), 0, 0)]
+                w0 = layers[0][0]
+                attrs = dict(k=k, normalize=0, activation="swiglu", block_size=BLOCK)
+                if mode == "routed":
+                    want = FusedMoE().reference(dict(attrs, mode="routed"), x, routed_w, w0["fc1"], w0["fc2"], w0["s1"],
+                                                w0["z1"], w0["s2"], w0["z2"], top)[0]
+                else:
+                    want = FusedMoE().reference(dict(attrs, mode="softmax_topk"), x, logits, w0["fc1"], w0["fc2"], w0["s1"],
+                                                w0["z1"], w0["s2"], w0["z2"])[0]
+                distinct = len(np.unique(top))
+                nbytes = {kn: distinct * per_expert[kn] for kn in per_expert}
+                if not args.once:  # a device-to-device copy of the layer's bytes (read + write), the same way timed
+                    half = (nbytes["gate_up"] + nbytes["down"]) // 2
+                    bufs = [(cp.empty(half, cp.uint8), cp.empty(half, cp.uint8)) for _ in range(LAYERS)]
+                    copy_us = timed(cp, [lambda n=n: bufs[n % LAYERS][1].__setitem__(Ellipsis, bufs[n % LAYERS][0])
+                                         for n in range(ITERS)], args.reps)
+                    print(f"{name:<18} {t:>2} {'copy':<12} {'':>8} {'':>8} {copy_us:>8.1f} {2 * half / 1e6:>6.2f} "
+                          f"{2 * half / copy_us / 1e3:>6.0f} {2 * half / copy_us / 1e3 / (bw / 1e9):>8.1%}  "
+                          "(a copy of as many bytes, read + write)")
+                    del bufs
+                def error_of(launch_layer0) -> float:
+                    """Relative error against the reference of ``out`` after ``launch_layer0(0)`` (out zeroed first)."""
+                    out[...] = 0
+                    launch_layer0(0)
+                    cp.cuda.Device().synchronize()
+                    got = cp.asnumpy(out).astype(np.float64)
+                    return float(np.abs(got - want).max() / max(1.0, np.abs(want.astype(np.float64)).max()))
 
-            for v in variants:
-                gate_up, down = v["kernels"]
-                grid1 = (t, -(-i // -(-v["gate"] // k)))
-                grid2 = (t, -(-h // v["down"]))
-                steps = cuda_mma_steps("f16", BLOCK, h, i, k)
-                label = v["name"]
-                if steps in v["mma_kernels"] and v["mix"]:  # the other gate_up, the tensor-core down
-                    down, grid2 = v["mma_kernels"][steps][1], (t, h // 16)
-                    label += "/mix"
-                elif steps in v["mma_kernels"]:  # the lowering's tensor-core pair and its grids
-                    (gate_up, down), grid1, grid2 = v["mma_kernels"][steps], (t, k * i // 8), (t, h // 16)
-                    label += "/mma"
+                for v in variants:
+                    gate_up, down = v["kernels"]
+                    grid1 = (t, -(-i // -(-v["gate"] // k)))
+                    grid2 = (t, -(-h // v["down"]))
+                    steps = cuda_mma_steps("f16", BLOCK, h, i, k)
+                    label = v["name"]
+                    if steps in v["mma_kernels"] and v["mix"]:  # the other gate_up, the tensor-core down
+                        down, grid2 = v["mma_kernels"][steps][1], (t, h // 16)
+                        label += "/mix"
+                    elif steps in v["mma_kernels"]:  # the lowering's tensor-core pair and its grids
+                        (gate_up, down), grid1, grid2 = v["mma_kernels"][steps], (t, -(-k * i // 8 // v["mgate"])), (t, h // 16)
+                        label += "/mma"
 
-                # sources with moe_fused: down also takes the shared expert and its gate (absent: flag SHARED off)
-                shared = (dummy_b, dummy_b) if v["fused"] is not None else ()
+                    # sources with moe_fused: down also takes the shared expert and its gate (absent: flag SHARED off)
+                    shared = (dummy_b, dummy_b) if v["fused"] is not None else ()
 
-                def launch(kernel, layer, gate_up=gate_up, down=down, grid1=grid1, grid2=grid2, shared=shared):
-                    d = layers[layer][1]
-                    if kernel == "gate_up":
-                        gate_up(grid1, (CUDA_THREADS,), (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, act, *consts))
-                    else:
-                        down(grid2, (CUDA_THREADS,), (dl, given, act, d["fc2"], d["s2"], d["z2"], dummy_b, *shared, out,
-                                                      *consts))
+                    def launch(kernel, layer, gate_up=gate_up, down=down, grid1=grid1, grid2=grid2, shared=shared):
+                        d = layers[layer][1]
+                        if kernel == "gate_up":
+                            gate_up(grid1, (CUDA_THREADS,), (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, act, *consts))
+                        else:
+                            down(grid2, (CUDA_THREADS,), (dl, given, act, d["fc2"], d["s2"], d["z2"], dummy_b, *shared, out,
+                                                          *consts))
 
-                err = error_of(lambda layer: (launch("gate_up", layer), launch("down", layer)))
-                check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'}"
-                if args.once:
-                    print(f"{name:<18} {t:>2} {label:<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
-                    continue
-                us = {kn: timed(cp, [lambda n=n, kn=kn: launch(kn, n % LAYERS) for n in range(ITERS)], args.reps)
-                      for kn in ("gate_up", "down")}
-                both = timed(cp, [lambda n=n, kn=kn: launch(kn, n % LAYERS) for n in range(ITERS) for kn in ("gate_up", "down")],
-                             args.reps) * 2
-                total = nbytes["gate_up"] + nbytes["down"]
-                print(f"{name:<18} {t:>2} {label:<12} {us['gate_up']:>8.1f} {us['down']:>8.1f} {both:>8.1f} "
-                      f"{total / 1e6:>6.2f} {total / both / 1e3:>6.0f} {total / both / 1e3 / (bw / 1e9):>8.1%}  {check}",
-                      flush=True)
-                for sl, kern in v["sliced"].items():
-                    if h * sl // 2 > 32768:  # SLICE_DOWN_BYTES: the slice's down codes in shared memory
+                    err = error_of(lambda layer: (launch("gate_up", layer), launch("down", layer)))
+                    check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'}"
+                    if args.once:
+                        print(f"{name:<18} {t:>2} {label:<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
+                        continue
+                    us = {kn: timed(cp, [lambda n=n, kn=kn: launch(kn, n % LAYERS) for n in range(ITERS)], args.reps)
+                          for kn in ("gate_up", "down")}
+                    both = timed(cp, [lambda n=n, kn=kn: launch(kn, n % LAYERS) for n in range(ITERS) for kn in ("gate_up", "down")],
+                                 args.reps) * 2
+                    total = nbytes["gate_up"] + nbytes["down"]
+                    print(f"{name:<18} {t:>2} {label:<12} {us['gate_up']:>8.1f} {us['down']:>8.1f} {both:>8.1f} "
+                          f"{total / 1e6:>6.2f} {total / both / 1e3:>6.0f} {total / both / 1e3 / (bw / 1e9):>8.1%}  {check}",
+                          flush=True)
+                    for sl, kern in v["sliced"].items():
+                        if h * sl // 2 > 32768:  # SLICE_DOWN_BYTES: the slice's down codes in shared memory
+                            continue
+
+                        def one_sliced(layer, kern=kern, sl=sl):  # moe_sliced: T * k * ceil(I / S) workgroups, site 0
+                            d = layers[layer][1]
+                            kern((t * k * -(-i // sl),), (CUDA_THREADS,),
+                                 (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
+                                  dummy_b, dummy_b, out, *consts, np.int32(0)))
+
+                        checks = []
+                        for rep in range(3):  # before timing, again (the sums zeroed by the first), and after it
+                            if rep == 2:
+                                us1 = timed(cp, [lambda n=n: one_sliced(n % LAYERS) for n in range(ITERS)], args.reps)
+                            checks.append(error_of(one_sliced))
+                        err = max(checks)
+                        check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (sliced; {len(checks)} checks)"
+                        print(f"{name:<18} {t:>2} {v['name'] + '/s' + str(sl):<12} {'':>8} {'':>8} {us1:>8.1f} "
+                              f"{total / 1e6:>6.2f} {total / us1 / 1e3:>6.0f} {total / us1 / 1e3 / (bw / 1e9):>8.1%}  {check}",
+                              flush=True)
+                    if v["fused"] is None:
                         continue
 
-                    def one_sliced(layer, kern=kern, sl=sl):  # moe_sliced: T * k * ceil(I / S) workgroups, site 0
+                    fused_rows = -(-i // -(-v["gate"] // k)), -(-h // v["down"])  # its halves' row blocks (not mma's)
+
+                    def one(layer, fused=v["fused"], g1=fused_rows[0], g2=fused_rows[1]):  # moe_fused: the lowering's 1-D grid
                         d = layers[layer][1]
-                        kern((t * k * -(-i // sl),), (CUDA_THREADS,),
-                             (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
-                              dummy_b, dummy_b, out, *consts, np.int32(0)))
+                        fused((t * (g1 + g2),), (CUDA_THREADS,),
+                              (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
+                               dummy_b, dummy_b, out, act, *consts, np.int32(g1), np.int32(g2), np.int32(0)))
 
                     checks = []
-                    for rep in range(3):  # before timing, again (the sums zeroed by the first), and after it
-                        if rep == 2:
-                            us1 = timed(cp, [lambda n=n: one_sliced(n % LAYERS) for n in range(ITERS)], args.reps)
-                        checks.append(error_of(one_sliced))
+                    for _ in range(2):  # the second launch finds the counters the first one set back
+                        checks.append(error_of(one))
+                    if not args.once:
+                        us1 = timed(cp, [lambda n=n: one(n % LAYERS) for n in range(ITERS)], args.reps)
+                        checks.append(error_of(one))  # and after thousands of launches
                     err = max(checks)
-                    check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (sliced; {len(checks)} checks)"
-                    print(f"{name:<18} {t:>2} {v['name'] + '/s' + str(sl):<12} {'':>8} {'':>8} {us1:>8.1f} "
+                    check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (one launch; {len(checks)} checks)"
+                    if args.once:
+                        print(f"{name:<18} {t:>2} {v['name'] + '/1':<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
+                        continue
+                    print(f"{name:<18} {t:>2} {v['name'] + '/1':<12} {'':>8} {'':>8} {us1:>8.1f} "
                           f"{total / 1e6:>6.2f} {total / us1 / 1e3:>6.0f} {total / us1 / 1e3 / (bw / 1e9):>8.1%}  {check}",
                           flush=True)
-                if v["fused"] is None:
-                    continue
-
-                fused_rows = -(-i // -(-v["gate"] // k)), -(-h // v["down"])  # its halves' row blocks (not mma's)
-
-                def one(layer, fused=v["fused"], g1=fused_rows[0], g2=fused_rows[1]):  # moe_fused: the lowering's 1-D grid
-                    d = layers[layer][1]
-                    fused((t * (g1 + g2),), (CUDA_THREADS,),
-                          (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
-                           dummy_b, dummy_b, out, act, *consts, np.int32(g1), np.int32(g2), np.int32(0)))
-
-                checks = []
-                for _ in range(2):  # the second launch finds the counters the first one set back
-                    checks.append(error_of(one))
-                if not args.once:
-                    us1 = timed(cp, [lambda n=n: one(n % LAYERS) for n in range(ITERS)], args.reps)
-                    checks.append(error_of(one))  # and after thousands of launches
-                err = max(checks)
-                check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (one launch; {len(checks)} checks)"
-                if args.once:
-                    print(f"{name:<18} {t:>2} {v['name'] + '/1':<12} {'-':>8} {'-':>8} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {check}")
-                    continue
-                print(f"{name:<18} {t:>2} {v['name'] + '/1':<12} {'':>8} {'':>8} {us1:>8.1f} "
-                      f"{total / 1e6:>6.2f} {total / us1 / 1e3:>6.0f} {total / us1 / 1e3 / (bw / 1e9):>8.1%}  {check}",
-                      flush=True)
     return 0
 
 

@@ -710,6 +710,36 @@ __device__ __forceinline__ float2 mma_rows(const uint4 (&wa)[S], const uint4 (&w
   return make_float2(ya, yb);
 }
 
+// This lane's part of one gate_up group (8 gate rows and the same 8 up rows of the token's j-th expert, group n
+// of the k * I / 8) over its warp's S steps: codes, scales and zero points of rows g and g + 8 of the tile.
+template <int S>
+struct GateGroup {
+  uint4 wa[S], wb[S];
+  float sa[S], sb[S], za[S], zb[S];
+  long long e;
+  int j, r;
+};
+
+template <int S>
+__device__ __forceinline__ void load_gate_group(GateGroup<S>& q, int n, const long long* ids, const void* w1,
+                                                const __half* s1, const uint8_t* z1, int H, int I, int flags,
+                                                int warp, int g, int c) {
+  int nb = H / 128, rpe = I / 8;
+  q.j = n / rpe, q.r = (n - q.j * rpe) * 8 + g;
+  q.e = ids[q.j];
+  long long ra = (q.e >= 0 ? q.e : 0) * 2 * I + q.r, rb = ra + I;
+  const uint4* pa = (const uint4*)((const uint8_t*)w1 + ra * (H / 2));
+  const uint4* pb = (const uint4*)((const uint8_t*)w1 + rb * (H / 2));
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    int blk = warp * S + s, qi = blk * 4 + c;
+    q.wa[s] = __ldg(pa + qi), q.wb[s] = __ldg(pb + qi);
+    q.sa[s] = __half2float(__ldg(s1 + ra * nb + blk)), q.sb[s] = __half2float(__ldg(s1 + rb * nb + blk));
+    q.za[s] = (flags & ZERO_POINTS) ? (float)__ldg(z1 + ra * nb + blk) : 8.f;
+    q.zb[s] = (flags & ZERO_POINTS) ? (float)__ldg(z1 + rb * nb + blk) : 8.f;
+  }
+}
+
 // gate_up with S blocks of 128 codes per warp (H = 128 * S * WARPS)
 template <int S>
 __device__ void gate_up_mma(const __half* x, const __half* logits, const long long* given, const void* w1,
@@ -738,30 +768,20 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
     for (int j = lane; j < K; j += 32) tail[j] = wr[0][j], tail[K + j] = __int_as_float((int)ir[0][j]);
   }
   float alpha = bits(alpha_b), beta = bits(beta_b), limit = bits(limit_b);
-  int nb = H / 128, ng = K * I / 8, rpe = I / 8;
+  int ng = K * I / 8;
+  GateGroup<S> cur;
+  if (blockIdx.y < ng) load_gate_group<S>(cur, blockIdx.y, ids, w1, s1, z1, H, I, flags, warp, g, c);
   for (int n = blockIdx.y; n < ng; n += gridDim.y) {
-    int j = n / rpe, r = (n - j * rpe) * 8 + g;
-    long long e = ids[j];
-    bool ok = e >= 0;
-    long long ra = (ok ? e : 0) * 2 * I + r, rb = ra + I;
-    const uint4* pa = (const uint4*)((const uint8_t*)w1 + ra * (H / 2));
-    const uint4* pb = (const uint4*)((const uint8_t*)w1 + rb * (H / 2));
-    uint4 wa[S], wb[S];
-    float sa[S], sb[S], za[S], zb[S];
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      int blk = warp * S + s, q = blk * 4 + c;
-      wa[s] = __ldg(pa + q), wb[s] = __ldg(pb + q);
-      sa[s] = __half2float(__ldg(s1 + ra * nb + blk)), sb[s] = __half2float(__ldg(s1 + rb * nb + blk));
-      za[s] = (flags & ZERO_POINTS) ? (float)__ldg(z1 + ra * nb + blk) : 8.f;
-      zb[s] = (flags & ZERO_POINTS) ? (float)__ldg(z1 + rb * nb + blk) : 8.f;
-    }
+#ifdef MMA_PREFETCH  // a variant for benchmarks/moe_cuda_kernels.py: the next group's loads fly during this one
+    GateGroup<S> nxt;
+    if (n + gridDim.y < ng) load_gate_group<S>(nxt, n + gridDim.y, ids, w1, s1, z1, H, I, flags, warp, g, c);
+#endif
     if (!staged) {  // this warp's part of x, once, while its first loads fly
       stage_mma(x + (long long)tok * H + warp * S * 128, S * 128, xs[warp], sums[warp]);
       __syncwarp();
       staged = true;
     }
-    float2 y = mma_rows<S>(wa, wb, sa, sb, za, zb, S, xs[warp], sums[warp], c);
+    float2 y = mma_rows<S>(cur.wa, cur.wb, cur.sa, cur.sb, cur.za, cur.zb, S, xs[warp], sums[warp], c);
     if (c == 0) red[warp][g] = y.x, red[warp][8 + g] = y.y;
     __syncthreads();
     if (warp == 0 && c == 0) {
@@ -769,13 +789,19 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
 #pragma unroll
       for (int k2 = 0; k2 < WARPS; ++k2) gs += red[k2][g], us += red[k2][8 + g];
       float out = 0.f;
-      if (ok) {
-        if (flags & BIAS) gs += ld(b1, e * 2 * I + r), us += ld(b1, e * 2 * I + I + r);
+      long long e = cur.e;
+      if (e >= 0) {
+        if (flags & BIAS) gs += ld(b1, e * 2 * I + cur.r), us += ld(b1, e * 2 * I + I + cur.r);
         out = swiglu(gs, us, alpha, beta, limit);
       }
-      act[((long long)tok * K + j) * I + r] = out;
+      act[((long long)tok * K + cur.j) * I + cur.r] = out;
     }
     __syncthreads();  // red is written again by the next group
+#ifdef MMA_PREFETCH
+    cur = nxt;
+#else
+    if (n + gridDim.y < ng) load_gate_group<S>(cur, n + gridDim.y, ids, w1, s1, z1, H, I, flags, warp, g, c);
+#endif
   }
 }
 
