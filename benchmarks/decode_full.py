@@ -125,7 +125,7 @@ def prepare(arch: str, out: Path, work: Path, max_seq: int, reference: bool = Fa
     the bundle is skipped)."""
     import seed_form
 
-    seed = (seed_dir or work / "seed") / "model.onnx"
+    seed = work / "seed" / "model.onnx"
     if not seed.exists():
         t0 = time.perf_counter()
         seed_form.export_seeded(arch, seed.parent, **_sizes(arch, max_seq, layers))
