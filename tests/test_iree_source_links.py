@@ -124,3 +124,88 @@ def test_a_linked_tensor_the_irpa_does_not_hold_is_copied_into_the_folder(source
     np.testing.assert_array_equal(again.const("W"), w)
     np.testing.assert_array_equal(again.const("B"), b)
     assert os.stat(path.parent / "src.onnx.data").st_nlink == 1
+
+
+def _source_with(tmp_path, *, b_is_input: bool):
+    """The same y = x @ W + B, optionally with B also a graph input (an initializer default a caller may override:
+    the importer leaves it out of the .irpa, so it stays behind in the link until share_params inlines it)."""
+    rng = np.random.default_rng(6)
+    w = rng.integers(-8, 8, (K, N)).astype(np.float32)
+    b = rng.integers(-8, 8, N).astype(np.float32)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])]
+    if b_is_input:
+        inputs.append(helper.make_tensor_value_info("B", TensorProto.FLOAT, [N]))
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["xw"], name="mm"),
+                           helper.make_node("Add", ["xw", "B"], ["y"], name="bias")], "g", inputs,
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N])],
+                          [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "B")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(m, str(tmp_path / "src.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="src.onnx.data", size_threshold=0)
+    return tmp_path / "src.onnx", w, b
+
+
+def test_an_input_default_linked_then_left_out_of_the_irpa_moves_inline(tmp_path):
+    """B (8,192 elements, 32 KiB) is over a 4,096-element threshold, so it is linked; as an input with a default
+    the importer leaves it out of the .irpa; share_params inlines it from the link without onnx's reader."""
+    path, w, b = _source_with(tmp_path / "src", b_is_input=True)
+    out = tmp_path / "out"
+    apply(path, out, backend="iree", options={"param_threshold": 4096})
+    assert not [p.name for p in out.iterdir() if "source" in p.name]
+    saved = {t.name: t for t in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer}
+    assert saved["B"].data_location == TensorProto.DEFAULT
+    x = np.ones((1, K), np.float32)
+    runner = load_runner(out)
+    np.testing.assert_array_equal(runner.run({"x": x})["y"], x @ w + b)
+    np.testing.assert_array_equal(runner.run({"x": x, "B": -b})["y"], x @ w - b)
+
+
+def test_module_from_with_another_threshold_reads_the_linked_constants(tmp_path):
+    """Compiled with a threshold of 16,384 elements, applied again with 4,096: B is linked here and below the
+    compiled folder's threshold, so the graph digest inlines it from the link (not through onnx's reader)."""
+    path, w, b = _source_with(tmp_path / "src", b_is_input=False)
+    compiled = tmp_path / "compiled"
+    apply(path, compiled, backend="iree", options={"param_threshold": THRESHOLD})
+    out = tmp_path / "reused"
+    apply(path, out, backend="iree", options={"param_threshold": 4096, "module_from": str(compiled)})
+    assert not [p.name for p in out.iterdir() if "source" in p.name]
+    x = np.ones((1, K), np.float32)
+    np.testing.assert_array_equal(load_runner(out).run({"x": x})["y"], x @ w + b)
+
+
+def test_where_no_link_can_be_made_the_parameters_are_copied(source, tmp_path, monkeypatch):
+    path, w, b = source
+    copied = _copies(monkeypatch)
+
+    def refused(src, dst):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", refused)
+    monkeypatch.setattr(os, "symlink", refused)
+    out = tmp_path / "out"
+    apply(path, out, backend="iree", options={"param_threshold": THRESHOLD})
+    assert copied == ["W", "B"]
+    assert sorted(p.name for p in out.iterdir() if "source" in p.name or p.suffix == ".data") == []
+    x = np.ones((1, K), np.float32)
+    np.testing.assert_array_equal(load_runner(out).run({"x": x})["y"], x @ w + b)
+
+
+def test_a_failed_apply_leaves_the_source_as_it_was_and_no_folder(source, tmp_path, monkeypatch):
+    import rewrite.backends.iree as iree_backend
+    from rewrite.backends.errors import IreeImportError
+    from rewrite.errors import RewriteError
+
+    path, _, _ = source
+    data = path.parent / "src.onnx.data"
+    before = _digest(data)
+
+    def failing_import(*args, **kwargs):
+        raise IreeImportError("import failed (a test's)")
+
+    monkeypatch.setattr(iree_backend, "import_onnx", failing_import)
+    with pytest.raises(RewriteError, match="a test's"):
+        apply(path, tmp_path / "out", backend="iree", options={"param_threshold": THRESHOLD})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert _digest(data) == before and os.stat(data).st_nlink == 1

@@ -242,8 +242,6 @@ def share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int,
 
 
 def _share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int, int]]) -> None:
-    from onnx.external_data_helper import load_external_data_for_tensor
-
     model = onnx.load(str(onnx_path), load_external_data=False)
     folder = onnx_path.parent
     old_files = set()
@@ -260,9 +258,7 @@ def _share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int
                 entry.key, entry.value = key, val
             t.data_location = onnx.TensorProto.EXTERNAL
         elif location is not None and (spill.external_info(t)[2] or _INLINE_MAX_BYTES) < _INLINE_MAX_BYTES:
-            load_external_data_for_tensor(t, str(folder))
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
+            spill.inline_external(t, str(folder))  # (not onnx's reader: it refuses the source links)
     links = onnx_io.source_links(onnx_path, old_files)
     left = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
             and spill.external_info(t)[0] in links]

@@ -40,6 +40,7 @@ import iree.runtime as rt
 import numpy as np
 
 from rewrite.backends.errors import BackendError, IreeCompileError, IreeImportError, IreeRuntimeError
+from rewrite.core import spill
 from rewrite.core.stages import stage
 
 __all__ = [
@@ -214,13 +215,10 @@ def inline_importer_constants(model, base_dir: Path, max_elements: int) -> None:
     initializers of fewer than ``max_elements`` elements: those the importer inlines into the module as constants
     (the others it externalizes as parameters)."""
     import onnx
-    from onnx.external_data_helper import load_external_data_for_tensor
 
     for t in model.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL and int(np.prod(t.dims, dtype=np.int64)) < max_elements:
-            load_external_data_for_tensor(t, str(base_dir))
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
+            spill.inline_external(t, str(base_dir))  # (not onnx's reader: it refuses the backend's source links)
 
 
 def entry_function_name(mlir_text: str) -> str:

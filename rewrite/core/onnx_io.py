@@ -310,11 +310,12 @@ def save(g: Graph, path: str | os.PathLike, *, external: bool | None = None, reb
     repacked experts). The graph then reads them from ``<name>.data``, which must stay where it was written.
 
     ``link_source``: the initializers still in a source model's data file for which it returns True are not
-    copied; each such source data file gets a link beside ``path`` (``<name>.source<k>.data``: a hard link, or a
-    symbolic link across file systems) and they keep their offsets in it. For a caller that reads them by file
-    range and re-points them at once (the IREE backend writes the ``.irpa`` from this model, then
-    :func:`rewrite.backends.iree.share_params` drops the links): onnx's own external-data reader refuses links
-    (a "hardlink attack"), so a tensor it will read must not be linked. The full Qwen3-30B-A3B without ``moe``
+    copied; each such source data file gets a link beside ``path`` (``<name>.source<k>.data``: a hard link, else a
+    symbolic link; where neither can be made, its tensors are copied) and they keep their offsets in it. For a
+    caller that reads them by file range and re-points them at once (the IREE backend writes the ``.irpa`` from
+    this model, then :func:`rewrite.backends.iree.share_params` drops the links). onnx's own external-data reader
+    refuses links (a "hardlink attack"): such a model is read with :func:`rewrite.core.spill.inline_external`
+    and the ``.irpa`` writer's file ranges. The full Qwen3-30B-A3B without ``moe``
     keeps 32.8 GB of seed-form experts that would otherwise be on disk three times (source, copy, ``.irpa``) at
     the peak. :func:`source_links` names the links of a saved model.
 
@@ -395,15 +396,19 @@ def source_links(model_path: Path, locations) -> set[str]:
             if loc.startswith(prefix) and loc.endswith(suffix) and loc[len(prefix):-len(suffix)].isdigit()}
 
 
-def _link(source: str, folder: Path, name: str) -> None:
-    """A hard link ``folder/name`` to the file ``source``, or a symbolic link where a hard link cannot be made
-    (another file system, a file system without them)."""
+def _link(source: str, folder: Path, name: str) -> bool:
+    """Make ``folder/name`` a hard link to the file ``source``, or a symbolic link where a hard link cannot be made
+    (another file system, ``fs.protected_hardlinks``); False where neither can (then the caller copies)."""
     dst = folder / name
     dst.unlink(missing_ok=True)
     try:
         os.link(source, dst)
     except OSError:
-        os.symlink(os.path.abspath(source), dst)
+        try:
+            os.symlink(os.path.abspath(source), dst)
+        except OSError:
+            return False
+    return True
 
 
 def _write_external(g: Graph, model: onnx.ModelProto, path: Path, data_name: str, fd: int, total: int,
@@ -412,23 +417,26 @@ def _write_external(g: Graph, model: onnx.ModelProto, path: Path, data_name: str
     once moved beside ``path``), point ``model``'s initializers at it, and write ``path``. With ``link_source``,
     tensors in a source model's data file are pointed at a link to that file instead (:func:`save`)."""
     inits = model.graph.initializer
-    links: dict[str, str] = {}  # real path of a source data file -> its link's name
+    links: dict[str, str | None] = {}  # real path of a source data file -> its link's name
     with os.fdopen(fd, "wb") as out, stage("save", total=total, unit="B") as advance:
         for t in inits:
             advance(tensor_nbytes(t))
             src = g.values[t.name]
+            link = None
             if (link_source is not None and t.data_location == onnx.TensorProto.EXTERNAL
                     and not spill.is_spilled(t, src.base_dir) and spill.external_info(t)[2] is not None
                     and link_source(t)):
                 location, off, length = spill.external_info(t)
                 real = os.path.realpath(os.path.join(src.base_dir, location))
-                if real not in links:
-                    links[real] = path.name + _SOURCE_LINK.format(len(links))
-                    _link(real, path.parent, links[real])
+                if real not in links:  # None where no link can be made there: the tensor is copied below
+                    name = path.name + _SOURCE_LINK.format(len(links))
+                    links[real] = name if _link(real, path.parent, name) else None
+                link = links[real]
+            if link is not None:
                 t_new = onnx.TensorProto()
                 t_new.CopyFrom(t)
                 del t_new.external_data[:]
-                for key, val in (("location", links[real]), ("offset", str(off)), ("length", str(length))):
+                for key, val in (("location", link), ("offset", str(off)), ("length", str(length))):
                     entry = t_new.external_data.add()
                     entry.key, entry.value = key, val
                 t.CopyFrom(t_new)

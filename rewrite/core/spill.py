@@ -227,6 +227,33 @@ def external_info(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
     return info["location"], int(info.get("offset", 0)), None if length is None else int(length)
 
 
+def inline_external(tensor: onnx.TensorProto, base_dir: str) -> None:
+    """Move an external-data ``tensor``'s bytes (location relative to ``base_dir``) into its ``raw_data`` (ONNX
+    external data holds exactly the raw_data bytes: onnx docs, "External Data"), read by offset and length with a
+    plain file read: onnx's own reader refuses files with several hard links or behind a symbolic link, which the
+    IREE backend's links to a source data file are (``onnx_io.save``'s ``link_source``).
+
+    Raises:
+        RewriteError: the file is missing or ends before the tensor's bytes do, or the tensor's length is unknown
+            (a string tensor without a ``length`` key).
+    """
+    location, offset, length = external_info(tensor)
+    if length is None:
+        raise RewriteError(f"initializer '{tensor.name}': external data without a length ({location})")
+    path = os.path.join(base_dir, location)
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+    except OSError as e:
+        raise RewriteError(f"initializer '{tensor.name}': cannot read {path} ({e.strerror or e})") from e
+    if len(data) != length:
+        raise RewriteError(f"initializer '{tensor.name}': {path} ends before byte {offset + length}")
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    tensor.raw_data = data
+
+
 def read_external(tensor: onnx.TensorProto, base_dir: str) -> np.ndarray:
     """The data of an external-data ``tensor`` (location relative to ``base_dir``): a copy-on-write memory map for
     byte-aligned element types (writes stay private to the process), else (4-bit and string types) read whole.
