@@ -15,10 +15,8 @@ compare directly. The kernels are launched as IREE launches them (rewrite/plugin
 Where the lowering takes the tensor-core pair (``cuda_mma_steps``: the seeds' shapes, either mode) and the
 source has its exports, that pair runs on its grid (the row's variant name gets ``/mma``); ``mma=0`` keeps the
 other pair, ``mix=1`` takes the other pair's gate_up with the tensor-core down (``/mix``: the same act rows and
-routing tail between them; not a choice of the lowering). ``MMA_ROUTE_ONCE`` (a macro of moe_cuda.cu) makes the
-tensor-core gate_up route in warp 0 while the other warps stage x, then a barrier, as the other pair does.
-``mgate=N`` gives the tensor-core gate_up N of its groups per workgroup (its grid's y divided by N; the lowering's
-is one group each); ``MMA_PREFETCH`` (a macro) makes it load a workgroup's next group before the sums of this one.
+routing tail between them; not a choice of the lowering). ``mgate=N`` gives the tensor-core gate_up N of its
+groups per workgroup (its grid's y divided by N; default the lowering's ``MMA_GATE_GROUPS``).
 ``--mode routed`` (the default)
 gives the kernels the experts and weights, as the ``topk`` router does in the seeds' models; ``logits`` lets them
 route from the router logits.
@@ -66,12 +64,12 @@ def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
     return 2 * nbytes * iters / (cp.cuda.get_elapsed_time(start, stop) / 1e3)
 
 
-def parse_variant(spec: str, gate: int, down: int) -> dict:
+def parse_variant(spec: str, gate: int, down: int, mgate: int) -> dict:
     """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0][,mix=1][,mgate=N]`` -> {name, source, defines, gate,
     down, mma, mix, mgate}."""
     name, _, rest = spec.partition("=")
     source, *opts = rest.split(",")
-    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1, mix=0, mgate=1)
+    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1, mix=0, mgate=mgate)
     for o in opts:
         key, _, val = o.partition("=")
         if key in ("gate", "down", "mma", "mix", "mgate"):
@@ -106,7 +104,8 @@ def timed(cp, launches, reps: int) -> float:
 def main() -> int:
     import cupy as cp
 
-    from rewrite.plugins.moe.lowering import CUDA_DOWN_ROWS, CUDA_GATE_ITEMS, CUDA_THREADS, FusedMoE, cuda_mma_steps
+    from rewrite.plugins.moe.lowering import (CUDA_DOWN_ROWS, CUDA_GATE_ITEMS, CUDA_THREADS, MMA_GATE_GROUPS, FusedMoE,
+                                              cuda_mma_steps)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", default=[],
@@ -121,9 +120,9 @@ def main() -> int:
     if not set(args.mode.split(",")) <= {"routed", "logits"}:
         ap.error(f"--mode {args.mode}: expected routed, logits or both, comma-separated")
     shipped = ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu"
-    variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS) for v in args.variant] or \
+    variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS, MMA_GATE_GROUPS) for v in args.variant] or \
         [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS, mma=1, mix=0,
-              mgate=1)]
+              mgate=MMA_GATE_GROUPS)]
     for v in variants:
         mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",  # quoted includes: its folder, the shipped one's
                            options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",

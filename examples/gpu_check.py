@@ -289,7 +289,7 @@ MOE_SAMPLES = {
     # f16, blocks of 128: IREE takes the tensor-core pair (lowering.cuda_mma_steps): routed at the smallest steps
     # (H = 1024, k * I = 256: most warps of down without a block) with gpt-oss's biases and clamp; routed with
     # Qwen3-30B-A3B's k = 8 and I = 768 (down's 6 steps a warp, as in the full model) and the residual as addend;
-    # routing from the logits in every gate_up warp (Qwen1.5-MoE's softmax then top-4, not normalized)
+    # routing from the logits in gate_up's warp 0 (Qwen1.5-MoE's softmax then top-4, not normalized)
     "int4-gptoss-mma": dict(dtype=np.float16, dims=(8, 2, 1024, 128), bs=128, zp=False, mode="routed", normalize=1,
                             gptoss=True),
     "int4-k8-mma": dict(dtype=np.float16, dims=(8, 8, 1024, 768), bs=128, zp=True, mode="routed", normalize=1,

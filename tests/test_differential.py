@@ -447,17 +447,17 @@ def test_fused_moe_compiles_for_iree_cuda_with_the_plugins_kernels(tmp_path, mon
 
 
 @pytest.mark.parametrize("mode, h, i, k, bs, options, pair, grids", [
-    ("routed", 1024, 256, 2, 128, None, ("mma1", "mma2"), (64, 64)),    # k * I / 8 groups, H / 16 row blocks
-    ("routed", 2048, 384, 8, 128, None, ("mma2", "mma4"), (384, 128)),  # k * I = 3072: down's 4 steps a warp
+    ("routed", 1024, 256, 2, 128, None, ("mma1", "mma2"), (32, 64)),    # k * I / 8 groups, 2 a workgroup; H / 16
+    ("routed", 2048, 384, 8, 128, None, ("mma2", "mma4"), (192, 128)),  # k * I = 3072: down's 4 steps a warp
     ("routed", 1024, 256, 2, 128, {"tensor_cores": False}, ("", ""), (32, 128)),
     ("routed", 1024, 256, 2, 64, None, ("", ""), (32, 128)),             # blocks of 64
-    ("softmax_topk", 1024, 256, 2, 128, None, ("mma1", "mma2"), (64, 64)),  # routing in each gate_up warp
+    ("softmax_topk", 1024, 256, 2, 128, None, ("mma1", "mma2"), (32, 64)),  # routing in gate_up's warp 0
     ("softmax_topk", 1536, 256, 2, 128, None, ("", ""), (32, 192)),     # H not 1024 S
 ])
 def test_fused_moe_takes_the_tensor_core_pair_on_iree_cuda_where_it_applies(tmp_path, mode, h, i, k, bs, options, pair,
                                                                            grids):
-    """iree:cuda lowers an f16 FusedMoE with INT4 blocks of 128 to ``moe_gate_up_mma<S>_f16`` on (T, k * I / 8)
-    and ``moe_down_mma<S>_f16`` on (T, H / 16) (``cuda_mma_steps``), and everything else, or ``moe.tensor_cores``
+    """iree:cuda lowers an f16 FusedMoE with INT4 blocks of 128 to ``moe_gate_up_mma<S>_f16`` on (T, k * I / 16)
+    (``MMA_GATE_GROUPS`` = 2 groups of 8 rows a workgroup) and ``moe_down_mma<S>_f16`` on (T, H / 16) (``cuda_mma_steps``), and everything else, or ``moe.tensor_cores``
     false, to the other pair on (T, ceil(I / ceil(16 / k))) and (T, H / 8); with a CUDA device, the outputs equal
     the reference at 1, 3 and 8 tokens."""
     attrs, hidden, scores, weights = _int4_sample(mode, h, i, bs, True, k=k)

@@ -70,6 +70,10 @@ CUDA_SYNC_SLOTS = 1024
 #: the S of moe_cuda.cu's tensor-core exports: ``moe_gate_up_mma<S>_f16`` takes H = 1024 S (8 warps of S blocks
 #: of 128 codes), ``moe_down_mma<S>_f16`` k * I up to 1024 S
 MMA_GATE_STEPS, MMA_DOWN_STEPS = (1, 2, 3, 4), (2, 4, 6, 8)
+#: groups of 8 gate and 8 up rows per ``moe_gate_up_mma<S>_f16`` workgroup (its routing and staging of x paid once
+#: for them): at the seeds' decode shapes on an H200, 2 took a layer from 17.3 / 20.5 us to 15.7 / 16.5 at T = 1
+#: (logits mode) and 3 or 4 were no better at T = 1 (BENCHMARKS.md, "two groups a workgroup")
+MMA_GATE_GROUPS = 2
 
 
 def cuda_mma_steps(el: str, block_size: int, H: int, I: int, k: int) -> tuple[int, int] | None:
@@ -77,7 +81,8 @@ def cuda_mma_steps(el: str, block_size: int, H: int, I: int, k: int) -> tuple[in
     (``"f16"``/``"f32"``), INT4 ``block_size`` (0: float experts), hidden H, expert intermediate I and top-k ``k``
     (any routing mode); None where the pair does not apply: it takes f16, blocks of exactly 128 codes, H one of
     1024 S for S in :data:`MMA_GATE_STEPS`, I a multiple of 128 and k * I at most 1024 * max(:data:`MMA_DOWN_STEPS`).
-    Its grids: gate_up (T, k * I / 8), one group of 8 gate and 8 up rows per workgroup; down (T, H / 16).
+    Its grids: gate_up (T, ceil(k * I / 8 / :data:`MMA_GATE_GROUPS`)), that many groups of 8 gate and 8 up rows
+    per workgroup; down (T, H / 16).
     Measured against the other pair at the seeds' decode shapes in BENCHMARKS.md ("On the tensor cores")."""
     if el != "f16" or block_size != 128 or H % 1024 or I % 128:
         return None
@@ -311,7 +316,7 @@ class FusedMoE(AbstractOp):
         :data:`CUDA_SYNC_SLOTS` sites in a module (each has its own counters) the two kernels again. With two
         launches (the default), where :func:`cuda_mma_steps` holds (f16, INT4 blocks of 128: the seeds' decode
         layers) and the option ``moe.tensor_cores`` is not false, the two kernels are the tensor-core pair
-        ``moe_gate_up_mma<S>_f16`` on (T, k * I / 8) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and
+        ``moe_gate_up_mma<S>_f16`` on (T, ceil(k * I / 16)) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and
         constants (``moe_fused`` and the sites past its slots keep the other pair). The INT4
         dequantization is inside the dot product (the kernel source's header gives the fast path); down adds the
         gated shared expert and the addend in its store. The scalars are i32 push constants (10; moe_fused also
@@ -394,8 +399,9 @@ class FusedMoE(AbstractOp):
         moe_opts = ctx.options.get("moe") or {}  # the moe plugin's options (checked there)
         launches = moe_opts.get("launches", 2)
         mma = cuda_mma_steps(el, bs, H, I, k) if cuda and launches == 2 and moe_opts.get("tensor_cores", True) else None
-        # gate_up: ceil(I / rows1) row blocks of every expert slot, or (mma) k * I / 8 groups of 8 rows; down: H rows
-        nb1, nb2 = (-(-I // rows1), -(-H // rows2)) if mma is None else (k * I // 8, H // 16)
+        # gate_up: ceil(I / rows1) row blocks of every expert slot, or (mma) MMA_GATE_GROUPS of the k * I / 8 groups
+        # of 8 rows a workgroup; down: H rows
+        nb1, nb2 = (-(-I // rows1), -(-H // rows2)) if mma is None else (-(-(k * I // 8) // MMA_GATE_GROUPS), H // 16)
         # act: the [T*k, I] SwiGLU rows; on cuda 2*T*k more floats behind them, where gate_up leaves the
         # routing (k weights, k ids) for down (moe_cuda.cu's header)
         consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cIa": I + 2 if cuda else I, "%cL": L, "%cbs": bs, "%cfl": flags,

@@ -628,11 +628,13 @@ FUSED(moe_fused_f16, __half)
 // and scaled by the block's scale. The 8 columns of D are equal; lane c = 0 keeps column 0.
 // gate_up: grid (T, gy), a workgroup at a time one group of 8 gate rows and the same 8 up rows of one expert
 // (groups n = blockIdx.y, + gy, ... of the k * I / 8), each warp an eighth of H, reduced through shared memory, then
-// SwiGLU into the act row. down: grid (T, gy), a workgroup 16 rows of H at a time, its k act rows (contiguous)
-// split over the 8 warps by blocks of 128. Each warp stages only its own part of the vector, after issuing its
-// weight loads, so no workgroup barrier precedes them. Each gate_up warp routes the token itself (route_warp: the
-// given experts, or softmax and top-k of the logits, the same in every warp), and the first row block of a token
-// leaves the routing behind the act rows, where down reads it, as moe_down does.
+// SwiGLU into the act row; the lowering gives each workgroup MMA_GATE_GROUPS groups (lowering.py), so the
+// routing and the staging of x are paid once for several groups. gate_up's warp 0 routes the token (route_warp: the
+// given experts, or softmax and top-k of the logits) while the others stage x, then a barrier before the first
+// weight loads; a workgroup's next group is loaded after the barrier that ends this one. The first row block of a
+// token leaves the routing behind the act rows, where down reads it, as moe_down does. down: grid (T, gy), a
+// workgroup 16 rows of H at a time, its k act rows (contiguous) split over the 8 warps by blocks of 128; each warp
+// stages only its own part of them, after issuing its weight loads, so no workgroup barrier precedes those.
 
 __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -748,39 +750,23 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
   __shared__ __align__(16) uint4 xs[WARPS][S * 16];
   __shared__ float2 sums[WARPS][S];
   __shared__ float red[WARPS][16];
-  __shared__ float wr[WARPS][MAX_K];
-  __shared__ long long ir[WARPS][MAX_K];
+  __shared__ float wr[MAX_K];
+  __shared__ long long ids[MAX_K];
   int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, tok = blockIdx.x;
-#ifdef MMA_ROUTE_ONCE  // a variant for benchmarks/moe_cuda_kernels.py: warp 0 routes while the others stage x
-  if (warp == 0) route_warp(logits, given, tok, E, K, flags, ir[0], wr[0]);
+  // warp 0 routes the token while the others stage their part of x (routing in every warp instead, with no
+  // barrier before the weight loads, measured the same or up to 3 us a layer slower: BENCHMARKS.md)
+  if (warp == 0) route_warp(logits, given, tok, E, K, flags, ids, wr);
   stage_mma(x + (long long)tok * H + warp * S * 128, S * 128, xs[warp], sums[warp]);
   __syncthreads();
-  const long long* ids = ir[0];
-  bool staged = true;
-#else
-  // every warp routes the token itself (the same result): no barrier before its weight loads
-  route_warp(logits, given, tok, E, K, flags, ir[warp], wr[warp]);
-  const long long* ids = ir[warp];
-  bool staged = false;
-#endif
   if (blockIdx.y == 0 && warp == 0) {  // the routing behind the act rows, for moe_down_mma
     float* tail = act + (long long)T * K * I + 2LL * K * tok;
-    for (int j = lane; j < K; j += 32) tail[j] = wr[0][j], tail[K + j] = __int_as_float((int)ir[0][j]);
+    for (int j = lane; j < K; j += 32) tail[j] = wr[j], tail[K + j] = __int_as_float((int)ids[j]);
   }
   float alpha = bits(alpha_b), beta = bits(beta_b), limit = bits(limit_b);
   int ng = K * I / 8;
   GateGroup<S> cur;
   if (blockIdx.y < ng) load_gate_group<S>(cur, blockIdx.y, ids, w1, s1, z1, H, I, flags, warp, g, c);
   for (int n = blockIdx.y; n < ng; n += gridDim.y) {
-#ifdef MMA_PREFETCH  // a variant for benchmarks/moe_cuda_kernels.py: the next group's loads fly during this one
-    GateGroup<S> nxt;
-    if (n + gridDim.y < ng) load_gate_group<S>(nxt, n + gridDim.y, ids, w1, s1, z1, H, I, flags, warp, g, c);
-#endif
-    if (!staged) {  // this warp's part of x, once, while its first loads fly
-      stage_mma(x + (long long)tok * H + warp * S * 128, S * 128, xs[warp], sums[warp]);
-      __syncwarp();
-      staged = true;
-    }
     float2 y = mma_rows<S>(cur.wa, cur.wb, cur.sa, cur.sb, cur.za, cur.zb, S, xs[warp], sums[warp], c);
     if (c == 0) red[warp][g] = y.x, red[warp][8 + g] = y.y;
     __syncthreads();
@@ -797,11 +783,7 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
       act[((long long)tok * K + cur.j) * I + cur.r] = out;
     }
     __syncthreads();  // red is written again by the next group
-#ifdef MMA_PREFETCH
-    cur = nxt;
-#else
     if (n + gridDim.y < ng) load_gate_group<S>(cur, n + gridDim.y, ids, w1, s1, z1, H, I, flags, warp, g, c);
-#endif
   }
 }
 
