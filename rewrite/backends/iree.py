@@ -250,13 +250,7 @@ def _share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int
         if location is not None:
             old_files.add(location)
         if t.name in spans:
-            offset, length = spans[t.name]
-            onnx_io.clear_tensor_data(t)
-            del t.external_data[:]
-            for key, val in (("location", params_path.name), ("offset", str(offset)), ("length", str(length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, val
-            t.data_location = onnx.TensorProto.EXTERNAL
+            onnx_io.point_external(t, params_path.name, *spans[t.name])
         elif location is not None and (spill.external_info(t)[2] or _INLINE_MAX_BYTES) < _INLINE_MAX_BYTES:
             spill.inline_external(t, str(folder))  # (not onnx's reader: it refuses the source links)
     links = onnx_io.source_links(onnx_path, old_files)
@@ -280,10 +274,7 @@ def _copy_into_data_file(tensors: list[onnx.TensorProto], folder: Path, data_nam
             out.write(b"\0" * ((-out.tell()) % 64))
             start = out.tell()
             onnx_io.copy_span(str(folder / location), offset, length, out, t.name)
-            del t.external_data[:]
-            for key, val in (("location", data_name), ("offset", str(start)), ("length", str(length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, val
+            onnx_io.point_external(t, data_name, start, length)
 
 
 def refuse_unsupported(graph: Graph) -> None:

@@ -385,6 +385,17 @@ def copy_span(path: str, offset: int, length: int, out, name: str) -> None:
             length -= len(chunk)
 
 
+def point_external(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make ``t`` an external-data tensor of ``length`` bytes at ``offset`` in the file ``location`` (relative to
+    its model's folder), its inline data cleared (onnx's set_external_data refuses tensors without raw_data)."""
+    clear_tensor_data(t)
+    del t.external_data[:]
+    for key, val in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, val
+    t.data_location = onnx.TensorProto.EXTERNAL
+
+
 _SOURCE_LINK = ".source{}.data"  #: `save`'s links to source data files: ``<model file name>.source<k>.data``
 
 
@@ -422,48 +433,27 @@ def _write_external(g: Graph, model: onnx.ModelProto, path: Path, data_name: str
         for t in inits:
             advance(tensor_nbytes(t))
             src = g.values[t.name]
-            link = None
-            if (link_source is not None and t.data_location == onnx.TensorProto.EXTERNAL
-                    and not spill.is_spilled(t, src.base_dir) and spill.external_info(t)[2] is not None
-                    and link_source(t)):
-                location, off, length = spill.external_info(t)
-                real = os.path.realpath(os.path.join(src.base_dir, location))
-                if real not in links:  # None where no link can be made there: the tensor is copied below
-                    name = path.name + _SOURCE_LINK.format(len(links))
-                    links[real] = name if _link(real, path.parent, name) else None
-                link = links[real]
-            if link is not None:
-                t_new = onnx.TensorProto()
-                t_new.CopyFrom(t)
-                del t_new.external_data[:]
-                for key, val in (("location", link), ("offset", str(off)), ("length", str(length))):
-                    entry = t_new.external_data.add()
-                    entry.key, entry.value = key, val
-                t.CopyFrom(t_new)
-                continue
             if t.data_location == onnx.TensorProto.EXTERNAL:
                 location, off, length = spill.external_info(t)
+                if (link_source is not None and length is not None and not spill.is_spilled(t, src.base_dir)
+                        and link_source(t)):
+                    real = os.path.realpath(os.path.join(src.base_dir, location))
+                    if real not in links:  # None where no link can be made there: the tensor is copied below
+                        name = path.name + _SOURCE_LINK.format(len(links))
+                        links[real] = name if _link(real, path.parent, name) else None
+                    if links[real] is not None:
+                        point_external(t, links[real], off, length)
+                        continue
                 length = length or 0
                 start = out.tell()
                 copy_span(os.path.join(src.base_dir, location), off, length, out, t.name)
-                t_new = onnx.TensorProto()
-                t_new.CopyFrom(t)
             elif t.ByteSize() >= EXTERNAL_MIN_BYTES and t.HasField("raw_data"):
                 start = out.tell()
                 out.write(t.raw_data)
                 length = len(t.raw_data)
-                t_new = onnx.TensorProto()
-                t_new.CopyFrom(t)
-                t_new.ClearField("raw_data")
             else:
                 continue
-            # (onnx's set_external_data refuses tensors without raw_data, which these no longer have)
-            del t_new.external_data[:]
-            for key, val in (("location", data_name), ("offset", str(start)), ("length", str(length))):
-                entry = t_new.external_data.add()
-                entry.key, entry.value = key, val
-            t_new.data_location = onnx.TensorProto.EXTERNAL
-            t.CopyFrom(t_new)
+            point_external(t, data_name, start, length)
             pad = (-out.tell()) % 64  # keep tensors 64-byte aligned for mmap users
             out.write(b"\0" * pad)
     onnx.save(model, str(path))
