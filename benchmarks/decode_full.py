@@ -78,9 +78,7 @@ MAX_SEQ = 256
 #: launch (moe_fused) instead of two; "iree-t1-next": with the greedy next token in the module
 #: (``--next-token``), decoded on the device several steps in flight (``Generator.decode``) and, for the ratio, by the
 #: host's argmax loop on the same folder; "iree-t1-next-nomma": the same with FusedMoE's other kernel pair instead of
-#: the tensor-core one (``moe.tensor_cores=false``); "iree-t1-next-pf" / "iree-t1-next-pfdown": with
-#: ``moe.prefetch=all`` / ``down`` (gate_up asks the L2 for down's weights and its own later groups);
-#: "iree-t1-noshared": without moe's fused-moe-shared (Qwen1.5-MoE's gated
+#: the tensor-core one (``moe.tensor_cores=false``); "iree-t1-noshared": without moe's fused-moe-shared (Qwen1.5-MoE's gated
 #: shared expert summed by an elementwise dispatch); "iree-t1-norope":
 #: without the rope and norm plugins (IREE's own norms and RoPE); "iree-t1-noattn": without those and the
 #: attention plugin (IREE's own lowering of the attention core too).
@@ -95,10 +93,6 @@ CONFIGS = {
                     ("--dim", "seq_len=1", "--opt", "moe.launches=1")),
     "iree-t1-next": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                      ("--dim", "seq_len=1", "--next-token")),
-    "iree-t1-next-pf": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
-                        ("--dim", "seq_len=1", "--next-token", "--opt", "moe.prefetch=all")),
-    "iree-t1-next-pfdown": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
-                            ("--dim", "seq_len=1", "--next-token", "--opt", "moe.prefetch=down")),
     "iree-t1-next-nomma": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                            ("--dim", "seq_len=1", "--next-token", "--opt", "moe.tensor_cores=false")),
     "iree-t1-noshared": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",

@@ -17,9 +17,6 @@ source has its exports, that pair runs on its grid (the row's variant name gets 
 other pair, ``mix=1`` takes the other pair's gate_up with the tensor-core down (``/mix``: the same act rows and
 routing tail between them; not a choice of the lowering). ``mgate=N`` gives the tensor-core gate_up N of its
 groups per workgroup (its grid's y divided by N; default the lowering's ``MMA_GATE_GROUPS``).
-The tensor-core gate_up gets down's codes, scales and zero points as bindings before the act rows, as the lowering
-binds them (``gw2=0``: not, for sources from before they were); ``pf=P`` sets its prefetch flags as the option
-``moe.prefetch=P`` does (none, down, next, all; default the lowering's ``DEFAULT_PREFETCH``).
 ``--mode routed`` (the default)
 gives the kernels the experts and weights, as the ``topk`` router does in the seeds' models; ``logits`` lets them
 route from the router logits.
@@ -52,8 +49,6 @@ ITERS = 64
 REPS = 20
 F16, INT4, ZERO_POINTS, ROUTED = 1, 2, 16, 32  # the kernels' flags (moe_cuda.cu)
 
-from rewrite.plugins.moe.lowering import DEFAULT_PREFETCH, PREFETCH, PREFETCH_FLAGS  # noqa: E402
-
 
 def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + written), CUDA events."""
@@ -70,20 +65,15 @@ def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
 
 
 def parse_variant(spec: str, gate: int, down: int, mgate: int) -> dict:
-    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0][,mix=1][,mgate=N][,gw2=0][,pf=P]`` -> {name, source,
-    defines, gate, down, mma, mix, mgate, gw2, pf}."""
+    """``NAME=SOURCE[,MACRO[=V]...][,gate=N][,down=N][,mma=0][,mix=1][,mgate=N]`` -> {name, source, defines, gate,
+    down, mma, mix, mgate}."""
     name, _, rest = spec.partition("=")
     source, *opts = rest.split(",")
-    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1, mix=0, mgate=mgate, gw2=1,
-             pf="none")
+    v = dict(name=name, source=Path(source), defines=[], gate=gate, down=down, mma=1, mix=0, mgate=mgate)
     for o in opts:
         key, _, val = o.partition("=")
-        if key in ("gate", "down", "mma", "mix", "mgate", "gw2"):
+        if key in ("gate", "down", "mma", "mix", "mgate"):
             v[key] = int(val)
-        elif key == "pf":
-            if val not in PREFETCH:
-                raise SystemExit(f"--variant {spec}: pf={val}; one of {', '.join(PREFETCH)} expected")
-            v[key] = val
         else:
             v["defines"].append(o)
     return v
@@ -119,7 +109,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=SOURCE[,MACRO...][,gate=N][,down=N][,mma=0][,mix=1][,mgate=N][,gw2=0][,pf=P] (repeatable)")
+                    help="NAME=SOURCE[,MACRO...][,gate=N][,down=N][,mma=0][,mix=1][,mgate=N] (repeatable)")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel per shape, no timing")
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--reps", type=int, default=REPS)
@@ -132,7 +122,7 @@ def main() -> int:
     shipped = ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu"
     variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS, MMA_GATE_GROUPS) for v in args.variant] or \
         [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS, mma=1, mix=0,
-              mgate=MMA_GATE_GROUPS, gw2=1, pf=DEFAULT_PREFETCH)]
+              mgate=MMA_GATE_GROUPS)]
     for v in variants:
         mod = cp.RawModule(code=v["source"].read_text(), backend="nvcc",  # quoted includes: its folder, the shipped one's
                            options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",
@@ -161,8 +151,7 @@ def main() -> int:
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s; {ITERS} launches per CUDA graph, median of {args.reps} replays")
     for v in variants:
         print(f"  {v['name']}: {v['source'].name} {' '.join('-D' + d for d in v['defines']) or ''} gate items "
-              f"{v['gate']}, down rows {v['down']}, groups a tensor-core gate_up workgroup {v['mgate']}, prefetch "
-              f"{v['pf'] if v['gw2'] else '(none: gw2=0)'}")
+              f"{v['gate']}, down rows {v['down']}")
     print(f"{'shape':<18} {'T':>2} {'variant':<12} {'gate_up':>8} {'down':>8} {'layer':>8} {'MB':>6} {'GB/s':>6} "
           f"{'of copy':>8}  check")
     rng = np.random.default_rng(0)
@@ -237,21 +226,14 @@ def main() -> int:
                     elif steps in v["mma_kernels"]:  # the lowering's tensor-core pair and its grids
                         (gate_up, down), grid1, grid2 = v["mma_kernels"][steps], (t, -(-k * i // 8 // v["mgate"])), (t, h // 16)
                         label += "/mma"
-                    mma_gate = steps in v["mma_kernels"] and not v["mix"]
-                    gw2 = v["gw2"] and mma_gate
-                    gate_consts = list(consts)
-                    gate_consts[6] = np.int32(flags | (PREFETCH_FLAGS[v["pf"]] if mma_gate else 0))
 
                     # sources with moe_fused: down also takes the shared expert and its gate (absent: flag SHARED off)
                     shared = (dummy_b, dummy_b) if v["fused"] is not None else ()
 
-                    def launch(kernel, layer, gate_up=gate_up, down=down, grid1=grid1, grid2=grid2, shared=shared,
-                               gw2=gw2, gate_consts=gate_consts):
+                    def launch(kernel, layer, gate_up=gate_up, down=down, grid1=grid1, grid2=grid2, shared=shared):
                         d = layers[layer][1]
                         if kernel == "gate_up":
-                            more = (d["fc2"], d["s2"], d["z2"]) if gw2 else ()
-                            gate_up(grid1, (CUDA_THREADS,), (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, *more, act,
-                                                             *gate_consts))
+                            gate_up(grid1, (CUDA_THREADS,), (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, act, *consts))
                         else:
                             down(grid2, (CUDA_THREADS,), (dl, given, act, d["fc2"], d["s2"], d["z2"], dummy_b, *shared, out,
                                                           *consts))

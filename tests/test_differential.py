@@ -453,8 +453,6 @@ def test_fused_moe_compiles_for_iree_cuda_with_the_plugins_kernels(tmp_path, mon
     ("routed", 1024, 256, 2, 64, None, ("", ""), (32, 128)),             # blocks of 64
     ("softmax_topk", 1024, 256, 2, 128, None, ("mma1", "mma2"), (32, 64)),  # routing in gate_up's warp 0
     ("softmax_topk", 1536, 256, 2, 128, None, ("", ""), (32, 192)),     # H not 1024 S
-    ("softmax_topk", 2048, 384, 8, 128, {"prefetch": "all"}, ("mma2", "mma4"), (192, 128)),  # gate_up's L2 prefetch
-    ("routed", 1024, 256, 2, 128, {"prefetch": "down"}, ("mma1", "mma2"), (32, 64)),
 ])
 def test_fused_moe_takes_the_tensor_core_pair_on_iree_cuda_where_it_applies(tmp_path, mode, h, i, k, bs, options, pair,
                                                                            grids):
@@ -543,32 +541,6 @@ def test_the_tensor_core_down_takes_the_shared_expert_and_the_addend(tmp_path):
         assert np.abs(got - want).max() <= 1e-2 * max(1.0, float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("prefetch, bits", [(None, 0), ("none", 0), ("down", 512), ("next", 1024), ("all", 1536)])
-def test_the_tensor_core_gate_up_binds_downs_weights_and_takes_the_prefetch_flags(tmp_path, prefetch, bits):
-    """``moe_gate_up_mma<S>_f16`` binds down's codes, scales and zero points after b1 (10 bindings read, then the
-    act rows), and its flags push constant is down's with ``moe.prefetch``'s bits (PREFETCH_DOWN 512,
-    PREFETCH_NEXT 1024 in moe_cuda.cu; none by default); down's flags never carry them."""
-    attrs, hidden, scores, weights = _int4_sample("softmax_topk", 1024, 256, 128, True, k=2)
-    path = tmp_path / "m.onnx"
-    onnx.save(_moe_model(attrs, hidden, scores, weights), path)
-    m = apply(path, tmp_path / "out", backend="iree", target="cuda", plugins="moe",
-              options={"moe": {"prefetch": prefetch}} if prefetch else None)
-    mlir = (tmp_path / "out" / m.files["mlir"]).read_text()
-    (gate,) = [line for line in mlir.splitlines() if "::@moe_gate_up_mma1_f16[" in line]
-    (down,) = [line for line in mlir.splitlines() if "::@moe_down_mma2_f16[" in line]
-    operands = lambda line: re.search(r"\]\(([^)]*)\)", line).group(1).split(", ")  # noqa: E731
-    gate_ops, down_ops = operands(gate), operands(down)
-    assert len(gate_ops) == 10 + 10 and len(down_ops) == 9 + 10  # bindings, then the 10 push constants
-    assert gate_ops[7:10] == down_ops[3:6]  # down's codes, scales and zero points, the same values
-    flags = {n: int(v) for n, v in re.findall(r"(%\w+) = arith.constant (\d+) : i32", mlir)}
-    gate_flags, down_flags = (flags.get(ops[-4]) for ops in (gate_ops, down_ops))
-    if gate_flags is None:  # iree's importer may keep the index constant and cast it
-        consts = {n: int(v) for n, v in re.findall(r"(%\w+) = arith.constant (\d+) : index", mlir)}
-        casts = dict(re.findall(r"(%\w+) = arith.index_cast (%\w+) : index to i32", mlir))
-        gate_flags, down_flags = (consts[casts[ops[-4]]] for ops in (gate_ops, down_ops))
-    assert gate_flags == down_flags | bits and down_flags & 1536 == 0
-
-
 def test_one_launch_keeps_moe_fused_where_the_tensor_core_pair_would_apply(tmp_path):
     """``moe.launches=1`` takes moe_fused (the other pair's arithmetic in one launch) on a shape the tensor-core
     pair takes by default."""
@@ -582,9 +554,8 @@ def test_one_launch_keeps_moe_fused_where_the_tensor_core_pair_would_apply(tmp_p
 
 @pytest.mark.parametrize("opts, message", [({"launches": 3}, "moe: option launches=3; 1 or 2 expected"),
                                            ({"launches": True}, "moe: option launches=True; 1 or 2 expected"),
-                                           ({"lanches": 2}, "moe: unknown option 'lanches'; options: residual, shared, launches, tensor_cores, prefetch"),
-                                           ({"tensor_cores": 1}, "moe: option tensor_cores=1; true or false expected"),
-                                           ({"prefetch": "up"}, "moe: option prefetch='up'; one of none, down, next, all expected")])
+                                           ({"lanches": 2}, "moe: unknown option 'lanches'; options: residual, shared, launches, tensor_cores"),
+                                           ({"tensor_cores": 1}, "moe: option tensor_cores=1; true or false expected")])
 def test_the_moe_plugins_options_are_checked(tmp_path, opts, message):
     from rewrite.errors import RewriteError
 

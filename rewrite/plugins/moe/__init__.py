@@ -44,7 +44,7 @@ from rewrite.core.shape_eval import shape_elements
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.core.int4 import pack_int4
-from rewrite.plugins.moe.lowering import DEFAULT_PREFETCH, PREFETCH, FusedMoE, _ort_block
+from rewrite.plugins.moe.lowering import FusedMoE, _ort_block
 from rewrite.plugins.moe.patterns import hf_experts, seed_experts
 from rewrite.plugins.moe.residual import fuse_residual
 from rewrite.plugins.moe.shared import fuse_shared
@@ -517,20 +517,15 @@ class MoE(Plugin):
         and ``tensor_cores`` (true, the default, or false) are the IREE cuda lowering's: the gate_up and down
         kernels, or ``moe_fused``'s one launch (measured slower on the GPU, a launch fewer on the host:
         BENCHMARKS.md); of the two kernels, the tensor-core pair where the shape allows it (``lowering.cuda_mma_steps``).
-        ``prefetch`` (:data:`lowering.PREFETCH`: none, down, next or all; default
-        :data:`lowering.DEFAULT_PREFETCH`) is what the tensor-core gate_up asks the L2 for with its first loads in
-        flight: down's weights of the token's experts, its own later groups, or both.
 
         Raises:
             RewriteError: an unknown option, ``residual``, ``shared`` or ``tensor_cores`` not a boolean,
-                ``launches`` not 1 or 2, ``prefetch`` not one of :data:`lowering.PREFETCH`."""
+                ``launches`` not 1 or 2."""
         opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
-        known = {"residual", "shared", "launches", "tensor_cores", "prefetch"}
+        known = {"residual", "shared", "launches", "tensor_cores"}
         if set(opts) - known:
             raise RewriteError(f"moe: unknown option '{sorted(set(opts) - known)[0]}'; options: residual, shared, "
-                               "launches, tensor_cores, prefetch")
-        if opts.get("prefetch", DEFAULT_PREFETCH) not in PREFETCH:
-            raise RewriteError(f"moe: option prefetch={opts['prefetch']!r}; one of {', '.join(PREFETCH)} expected")
+                               "launches, tensor_cores")
         cuda = ctx is not None and (ctx.backend, getattr(ctx, "target", None)) == ("iree", "cuda")
         residual, shared = opts.get("residual", cuda), opts.get("shared", cuda)
         for name, value in (("residual", residual), ("shared", shared), ("tensor_cores", opts.get("tensor_cores", True))):

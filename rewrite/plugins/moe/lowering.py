@@ -74,14 +74,6 @@ MMA_GATE_STEPS, MMA_DOWN_STEPS = (1, 2, 3, 4), (2, 4, 6, 8)
 #: for them): at the seeds' decode shapes on an H200, 2 took a layer from 17.3 / 20.5 us to 15.7 / 16.5 at T = 1
 #: (logits mode) and 3 or 4 were no better at T = 1 (BENCHMARKS.md, "two groups a workgroup")
 MMA_GATE_GROUPS = 2
-#: what ``moe_gate_up_mma<S>_f16`` asks the L2 for once its first group's loads are in flight (option
-#: ``moe.prefetch``): ``down``, the token's experts' down weights (codes, scales, zero points), which down then
-#: reads from the L2; ``next``, the workgroup's later groups; ``all``, both; ``none``. Flags PREFETCH_DOWN and
-#: PREFETCH_NEXT in moe_cuda.cu.
-PREFETCH = ("none", "down", "next", "all")
-DEFAULT_PREFETCH = "none"
-#: the gate_up kernel's flag bits for each ``moe.prefetch``
-PREFETCH_FLAGS = {"none": 0, "down": 512, "next": 1024, "all": 512 | 1024}
 
 
 def cuda_mma_steps(el: str, block_size: int, H: int, I: int, k: int) -> tuple[int, int] | None:
@@ -325,9 +317,7 @@ class FusedMoE(AbstractOp):
         launches (the default), where :func:`cuda_mma_steps` holds (f16, INT4 blocks of 128: the seeds' decode
         layers) and the option ``moe.tensor_cores`` is not false, the two kernels are the tensor-core pair
         ``moe_gate_up_mma<S>_f16`` on (T, ceil(k * I / 16)) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and
-        constants but for gate_up's three more (down's codes, scales and zero points, after b1) and its flags,
-        which carry the option ``moe.prefetch``'s bits (:data:`PREFETCH_FLAGS`) (``moe_fused`` and the sites past
-        its slots keep the other pair). The INT4
+        constants (``moe_fused`` and the sites past its slots keep the other pair). The INT4
         dequantization is inside the dot product (the kernel source's header gives the fast path); down adds the
         gated shared expert and the addend in its store. The scalars are i32 push constants (10; moe_fused also
         its two row-block counts and its site).
@@ -409,14 +399,13 @@ class FusedMoE(AbstractOp):
         moe_opts = ctx.options.get("moe") or {}  # the moe plugin's options (checked there)
         launches = moe_opts.get("launches", 2)
         mma = cuda_mma_steps(el, bs, H, I, k) if cuda and launches == 2 and moe_opts.get("tensor_cores", True) else None
-        gate_flags = flags | PREFETCH_FLAGS[moe_opts.get("prefetch", DEFAULT_PREFETCH)] if mma else flags
         # gate_up: ceil(I / rows1) row blocks of every expert slot, or (mma) MMA_GATE_GROUPS of the k * I / 8 groups
         # of 8 rows a workgroup; down: H rows
         nb1, nb2 = (-(-I // rows1), -(-H // rows2)) if mma is None else (-(-(k * I // 8) // MMA_GATE_GROUPS), H // 16)
         # act: the [T*k, I] SwiGLU rows; on cuda 2*T*k more floats behind them, where gate_up leaves the
         # routing (k weights, k ids) for down (moe_cuda.cu's header)
         consts = {f"%c{k}k": k, "%cH": H, "%cE": E, "%cI": I, "%cIa": I + 2 if cuda else I, "%cL": L, "%cbs": bs, "%cfl": flags,
-                  "%cfg": gate_flags, "%nb1": nb1, "%nb2": nb2, "%cal": alpha, "%cbe": beta,
+                  "%nb1": nb1, "%nb2": nb2, "%cal": alpha, "%cbe": beta,
                   "%cli": limit}
         lines = [f"    {n} = arith.constant {v} : index" for n, v in consts.items()]
         lines += ["    %moe_c0 = arith.constant 0 : index",
@@ -465,10 +454,9 @@ class FusedMoE(AbstractOp):
         st = "index"
         if cuda:  # push constants: 32-bit
             st = "i32"
-            lines += [f"    {n}_i32 = arith.index_cast {n} : index to i32" for n in (*scalar_names, "%cfg")]
+            lines += [f"    {n}_i32 = arith.index_cast {n} : index to i32" for n in scalar_names]
             scalar_names = [f"{n}_i32" for n in scalar_names]
         scalars = ", ".join(scalar_names)
-        gate_scalars = scalars.replace("%cfl", "%cfg")  # gate_up's flags: with its prefetch bits
         # named by every binding size its executable declares (one module may hold FusedMoE ops of several shapes)
         name = (f"moe_exec_{el}_{wel}_{'r' if routed else 'l'}_{S['fc1']}_{S['s1']}_{S['z1']}_{S['fc2']}_{S['s2']}_{S['z2']}"
                 f"_{S['b1']}_{S['b2']}{'_sh' if shared else ''}")
@@ -478,13 +466,10 @@ class FusedMoE(AbstractOp):
         site = ctx.next_site("moe_fused") if cuda and launches == 1 else CUDA_SYNC_SLOTS
         if site < CUDA_SYNC_SLOTS:
             return self._fused_cuda(op, lines, name, obj, el, wel, S, ids_t, shared_types, scalars, site, H, addend)
-        # the tensor-core gate_up also binds down's weights (read only under a prefetch flag)
-        more, more_types = ("", "") if mma is None else \
-            (", %fc2, %s2, %z2", f", tensor<{S['fc2']}x{wel}>, tensor<{S['s2']}x{el}>, tensor<{S['z2']}xi8>")
         lines.append(
-            f"    %act = flow.dispatch @moe_exec::@gate_up[{'%t' if cuda else '%tk'}, %nb1](%x, %l, %ids, %fc1, %s1, %z1, %b1{more}, {gate_scalars}) : "
+            f"    %act = flow.dispatch @moe_exec::@gate_up[{'%t' if cuda else '%tk'}, %nb1](%x, %l, %ids, %fc1, %s1, %z1, %b1, {scalars}) : "
             f"(tensor<?x{el}>{{%th}}, tensor<?x{el}>{{%tl}}, {ids_t}, tensor<{S['fc1']}x{wel}>, tensor<{S['s1']}x{el}>, "
-            f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>{more_types}, {', '.join([st] * 10)}) -> tensor<?xf32>{{%tki}}")
+            f"tensor<{S['z1']}xi8>, tensor<{S['b1']}x{el}>, {', '.join([st] * 10)}) -> tensor<?xf32>{{%tki}}")
         if addend and cuda:  # down's output is the addend, tied in place: the kernel adds to it (flag ADDEND)
             lines += _flat_addend(tys[ADDEND], H, el)
             down_out, down_arg = "%ad{%th}", ", %ad"
@@ -511,8 +496,7 @@ class FusedMoE(AbstractOp):
             body = body.replace(f"@{name}::@gate_up", f"@{name}::@{gate_k}").replace(f"@{name}::@down", f"@{name}::@{down_k}")
         else:  # exports named after their executable: iree-compile links the llvm-cpu executables into one
             body = body.replace(f"@{name}::@gate_up", f"@{name}::@{name}_gate_up").replace(f"@{name}::@down", f"@{name}::@{name}_down")
-        exe = _cuda_executable(name, obj, gate_k, down_k, 7 if mma is None else 10) if cuda else \
-            _executable(name, obj, el, wel, S, routed)
+        exe = _cuda_executable(name, obj, gate_k, down_k) if cuda else _executable(name, obj, el, wel, S, routed)
         return IreeLowering(body=body, module_items={name: exe})
 
     @staticmethod
@@ -637,14 +621,14 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], route
 
 
 
-def _cuda_executable(name: str, obj: str, gate_up: str, down: str, gate_read: int) -> str:
-    """The ``hal.executable.source`` declaring the PTX kernels ``gate_up`` (``moe_gate_up_<el>``: ``gate_read`` = 7
-    bindings read, or a tensor-core ``moe_gate_up_mma<S>_f16``: 10, down's three weight bindings too; then the act
-    rows written) and ``down`` (``moe_down_<el>`` or ``moe_down_mma<S>_f16``: 9 read: the routed weights or
-    logits, the ids, act, the down weights, the shared expert and its gate; the output written), 10 i32 push
-    constants, workgroups of CUDA_THREADS threads on the grid the dispatch's workload gives (tokens, row blocks)."""
+def _cuda_executable(name: str, obj: str, gate_up: str, down: str) -> str:
+    """The ``hal.executable.source`` declaring the PTX kernels ``gate_up`` (``moe_gate_up_<el>`` or a tensor-core
+    ``moe_gate_up_mma<S>_f16``: 7 bindings read, the act rows written) and ``down`` (``moe_down_<el>`` or
+    ``moe_down_mma<S>_f16``: 9 read: the routed weights or logits, the ids, act, the down weights, the shared
+    expert and its gate; the output written), 10 i32 push constants, workgroups of CUDA_THREADS threads on the
+    grid the dispatch's workload gives (tokens, row blocks)."""
     exports = []
-    for ordinal, (export, read) in enumerate(((gate_up, gate_read), (down, 9))):
+    for ordinal, (export, read) in enumerate(((gate_up, 7), (down, 9))):
         exports.append(f"""    hal.executable.export public @{export} ordinal({ordinal})
         layout(#hal.pipeline.layout<constants = 10, bindings = [{kernel_bindings(read, 1)}]>)
         count(%device: !hal.device, %gx: index, %gy: index) -> (index, index, index) {{

@@ -5,8 +5,7 @@
 //   t, h, i, e, k, bs, flags, alpha_bits, beta_bits, limit_bits
 // (moe_fused also gy1, gy2: the row blocks per token of each half, and its dispatch site's counter slot).
 // moe_gate_up_mma<S>_f16 / moe_down_mma<S>_f16 are the same pair on the tensor cores for f16 INT4 blocks of 128
-// (the lowering's choice where its shape allows; the last section of this file), with the same bindings, but for
-// gate_up's three more before act: down's w2, s2, z2, which it prefetches into the L2 under flag PREFETCH_DOWN.
+// (the lowering's choice where its shape allows; the last section of this file), with the same bindings.
 // moe_fused_<el> is both halves in one launch (the lowering's choice with moe.launches=1; see fused() below):
 // bindings x, logits, ids, w1, s1, z1, b1, w2, s2, z2, b2, shared, gate, out, act. moe_gate_up_<el> then moe_down_<el> are the same work in
 // two launches (down's bindings: logits, ids, act, w2, s2, z2, b2, shared, gate, out).
@@ -53,8 +52,6 @@
 #define BIAS 64
 #define ADDEND 128
 #define SHARED 256
-#define PREFETCH_DOWN 512   // moe_gate_up_mma: down's weights of the token's experts into the L2
-#define PREFETCH_NEXT 1024  // moe_gate_up_mma: the workgroup's later groups into the L2
 
 #define MAX_K 64
 #define THREADS 256    // 8 warps per workgroup (CUDA_THREADS in lowering.py)
@@ -745,54 +742,11 @@ __device__ __forceinline__ void load_gate_group(GateGroup<S>& q, int n, const lo
   }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-// Token tok's k experts' down weights (codes [E, H, I/2], scales and zero points [E, H, I/128]) into the L2, in
-// 128-byte lines spread over the token's gridDim.y workgroups: down then reads them from there.
-__device__ __forceinline__ void prefetch_down(const long long* ids, int K, int H, int I, const void* w2,
-                                              const __half* s2, const uint8_t* z2, int flags) {
-  long long nt = (long long)gridDim.y * blockDim.x, id = (long long)blockIdx.y * blockDim.x + threadIdx.x;
-  long long cb = (long long)H * I / 2, sb = (long long)H * (I / 128) * 2, zb = (long long)H * (I / 128);
-  long long cl = (cb + 127) / 128, sl = (sb + 127) / 128, zl = (flags & ZERO_POINTS) ? (zb + 127) / 128 : 0;
-  long long per = cl + sl + zl;
-  for (long long q = id; q < K * per; q += nt) {
-    int j = (int)(q / per);
-    long long r = q - j * per, e = ids[j];
-    if (e < 0) continue;
-    if (r < cl) prefetch_l2((const uint8_t*)w2 + e * cb + r * 128);
-    else if (r < cl + sl) prefetch_l2((const uint8_t*)s2 + e * sb + (r - cl) * 128);
-    else prefetch_l2(z2 + e * zb + (r - cl - sl) * 128);
-  }
-}
-
-// The 16 rows (8 gate, 8 up) of group n, their scales and zero points into the L2, a line a thread.
-__device__ __forceinline__ void prefetch_group(int n, const long long* ids, const void* w1, const __half* s1,
-                                               const uint8_t* z1, int H, int I, int flags) {
-  int rpe = I / 8, j = n / rpe, r = (n - j * rpe) * 8, nb = H / 128, lpr = H / 2 / 128;  // code lines per row
-  int ls = (8 * nb * 2 + 127) / 128, lz = (flags & ZERO_POINTS) ? (8 * nb + 127) / 128 : 0;  // per 8 rows
-  long long e = ids[j];
-  if (e < 0) return;
-  long long g0 = e * 2 * I + r;  // the first gate row; its up row is I later
-  for (int q = threadIdx.x; q < 16 * lpr + 2 * ls + 2 * lz; q += blockDim.x) {
-    if (q < 16 * lpr) {
-      long long row = g0 + (q / lpr) % 8 + (q / lpr / 8) * I;
-      prefetch_l2((const uint8_t*)w1 + row * (H / 2) + (q % lpr) * 128);
-    } else if (q < 16 * lpr + 2 * ls) {
-      int u = q - 16 * lpr;
-      prefetch_l2((const uint8_t*)(s1 + (g0 + (u / ls) * I) * nb) + (u % ls) * 128);
-    } else {
-      int u = q - 16 * lpr - 2 * ls;
-      prefetch_l2(z1 + (g0 + (u / lz) * I) * nb + (u % lz) * 128);
-    }
-  }
-}
-
 // gate_up with S blocks of 128 codes per warp (H = 128 * S * WARPS)
 template <int S>
 __device__ void gate_up_mma(const __half* x, const __half* logits, const long long* given, const void* w1,
-                            const __half* s1, const uint8_t* z1, const __half* b1, const void* w2, const __half* s2,
-                            const uint8_t* z2, float* act, int T, int H, int I, int E, int K, int flags, int alpha_b,
-                            int beta_b, int limit_b) {
+                            const __half* s1, const uint8_t* z1, const __half* b1, float* act, int T, int H, int I,
+                            int E, int K, int flags, int alpha_b, int beta_b, int limit_b) {
   __shared__ __align__(16) uint4 xs[WARPS][S * 16];
   __shared__ float2 sums[WARPS][S];
   __shared__ float red[WARPS][16];
@@ -812,11 +766,6 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
   int ng = K * I / 8;
   GateGroup<S> cur;
   if (blockIdx.y < ng) load_gate_group<S>(cur, blockIdx.y, ids, w1, s1, z1, H, I, flags, warp, g, c);
-  // with the first group's loads in flight: lines for later (this workgroup's next groups, down's experts), which
-  // their readers then find in the L2 instead of waiting on HBM from their start (BENCHMARKS.md)
-  if (flags & PREFETCH_NEXT)
-    for (int n2 = blockIdx.y + gridDim.y; n2 < ng; n2 += gridDim.y) prefetch_group(n2, ids, w1, s1, z1, H, I, flags);
-  if (flags & PREFETCH_DOWN) prefetch_down(ids, K, H, I, w2, s2, z2, flags);
   for (int n = blockIdx.y; n < ng; n += gridDim.y) {
     float2 y = mma_rows<S>(cur.wa, cur.wb, cur.sa, cur.sb, cur.za, cur.zb, S, xs[warp], sums[warp], c);
     if (c == 0) red[warp][g] = y.x, red[warp][8 + g] = y.y;
@@ -904,11 +853,10 @@ __device__ __forceinline__ bool mma_shape(int flags, int bs, int H, int I) {
   extern "C" __global__ void __launch_bounds__(THREADS, MMA_GATE_MIN_BLOCKS(S))                                  \
       moe_gate_up_mma##S##_f16(                                                                                  \
       const __half* x, const __half* logits, const long long* given, const void* w1, const __half* s1,           \
-      const uint8_t* z1, const __half* b1, const void* w2, const __half* s2, const uint8_t* z2, float* act,      \
-      int t, int H, int I, int E, int K, int bs, int flags, int alpha_b, int beta_b, int limit_b) {              \
+      const uint8_t* z1, const __half* b1, float* act, int t, int H, int I, int E, int K, int bs, int flags,     \
+      int alpha_b, int beta_b, int limit_b) {                                                                    \
     if (!mma_shape(flags, bs, H, I) || H != 128 * S * WARPS) __trap();                                           \
-    gate_up_mma<S>(x, logits, given, w1, s1, z1, b1, w2, s2, z2, act, t, H, I, E, K, flags, alpha_b, beta_b,     \
-                   limit_b);                                                                                     \
+    gate_up_mma<S>(x, logits, given, w1, s1, z1, b1, act, t, H, I, E, K, flags, alpha_b, beta_b, limit_b);       \
   }
 #define DOWN_MMA(S)                                                                                              \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down_mma##S##_f16(                                \
