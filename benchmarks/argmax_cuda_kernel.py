@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from moe_cuda_kernels import ITERS, REPS, timed  # noqa: E402
+from moe_cuda_kernels import ITERS, REPS, cupy_or_exit, timed  # noqa: E402
 
 #: (name, rows, N): the next token of Qwen's and DeepSeek's vocabularies, IREE's failing multiples of 256, odd sizes
 SHAPES = (("qwen 151936", 1, 151936), ("deepseek 102400", 1, 102400), ("512", 1, 512), ("1000 x 3 rows", 3, 1000),
@@ -50,7 +50,7 @@ def cases(rng: np.random.Generator, rows: int, n: int, dtype) -> list[tuple[str,
 
 
 def main() -> int:
-    import cupy as cp
+    cp = cupy_or_exit()
 
     from rewrite.backends.iree_argmax import ARGMAX_THREADS
 

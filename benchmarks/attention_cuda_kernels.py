@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, parse_variant, timed  # noqa: E402
+from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, cupy_or_exit, parse_variant, timed  # noqa: E402
 
 #: name -> (query heads, K/V heads, head size): Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json
 MODELS = {"qwen1.5": (16, 16, 128), "qwen3": (32, 4, 128)}
@@ -47,8 +47,6 @@ COLD_BYTES = 256 << 20  #: K/V bytes cycled per graph: several times the L2 (50 
 
 
 def main() -> int:
-    import cupy as cp
-
     from rewrite.plugins.attention.op import CUDA_THREADS, GroupedAttention, cuda_splits
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -60,6 +58,7 @@ def main() -> int:
                          "cuda_splits); comma-separated")
     ap.add_argument("--samples-only", action="store_true", help="only the conformance kit's samples: no timing")
     args = ap.parse_args()
+    cp = cupy_or_exit()
     shipped = ROOT / "rewrite/plugins/attention/kernels/attention_cuda.cu"
     variants = [parse_variant(v, 0, 0) for v in args.variant] or [dict(name="shipped", source=shipped, defines=[])]
     # quoted includes: the variant's folder, then the shipped source's

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, timed  # noqa: E402
+from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, cupy_or_exit, timed  # noqa: E402
 
 #: name -> (K, N): the dense INT4 MatMuls of one layer (Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json)
 SHAPES = {
@@ -62,8 +62,6 @@ DENSE_LAYERS = 4  #: 4 x 622 MB, ten times the L2
 
 
 def main() -> int:
-    import cupy as cp
-
     from rewrite.plugins.densemm.op import DenseMatMul
     from rewrite.plugins.matmul4.op import CUDA_THREADS, CUDA_TOKENS, MatMulInt4
 
@@ -73,6 +71,7 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], help="NAME=SOURCE: a matmul4 kernel source (repeatable)")
     ap.add_argument("--dense-variant", action="append", default=[], help="NAME=SOURCE: a densemm kernel source (repeatable)")
     args = ap.parse_args()
+    cp = cupy_or_exit()
     shipped = ROOT / "rewrite/plugins/matmul4/kernels/matmul4_cuda.cu"
     dense_shipped = ROOT / "rewrite/plugins/densemm/kernels/densemm_cuda.cu"
 

@@ -50,6 +50,17 @@ REPS = 20
 F16, INT4, ZERO_POINTS, ROUTED = 1, 2, 16, 32  # the kernels' flags (moe_cuda.cu)
 
 
+def cupy_or_exit():
+    """The ``cupy`` module; exits with a message instead of a traceback where CuPy or a CUDA GPU is missing (these
+    benchmarks run on the GPU machine: its CuPy builds the kernels with nvcc there)."""
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # ImportError, or CUDARuntimeError without a driver or device
+        raise SystemExit(f"{Path(sys.argv[0]).name}: needs CuPy and a CUDA GPU ({type(e).__name__}: {e})") from None
+    return cupy
+
+
 def copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + written), CUDA events."""
     a = cp.empty(nbytes, dtype=cp.uint8)
@@ -102,8 +113,6 @@ def timed(cp, launches, reps: int) -> float:
 
 
 def main() -> int:
-    import cupy as cp
-
     from rewrite.plugins.moe.lowering import (CUDA_DOWN_ROWS, CUDA_GATE_ITEMS, CUDA_THREADS, MMA_GATE_GROUPS, FusedMoE,
                                               cuda_mma_steps)
 
@@ -119,6 +128,7 @@ def main() -> int:
     args = ap.parse_args()
     if not set(args.mode.split(",")) <= {"routed", "logits"}:
         ap.error(f"--mode {args.mode}: expected routed, logits or both, comma-separated")
+    cp = cupy_or_exit()
     shipped = ROOT / "rewrite/plugins/moe/kernels/moe_cuda.cu"
     variants = [parse_variant(v, CUDA_GATE_ITEMS, CUDA_DOWN_ROWS, MMA_GATE_GROUPS) for v in args.variant] or \
         [dict(name="shipped", source=shipped, defines=[], gate=CUDA_GATE_ITEMS, down=CUDA_DOWN_ROWS, mma=1, mix=0,

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from moe_cuda_kernels import ITERS, REPS, timed  # noqa: E402
+from moe_cuda_kernels import ITERS, REPS, cupy_or_exit, timed  # noqa: E402
 
 LAYERS = 24
 #: (name, heads, head size, with the q/k norm): one decode token's Q or K of Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B
@@ -72,14 +72,13 @@ def _check(name: str, got, want) -> bool:
 
 
 def main() -> int:
-    import cupy as cp
-
     from rewrite.plugins.rmsnorm.op import RMSNorm
     from rewrite.plugins.rope.op import RotaryEmbedding
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=REPS)
     args = ap.parse_args()
+    cp = cupy_or_exit()
     rope = cp.RawModule(code=(ROOT / "rewrite/plugins/rope/kernels/rope_cuda.cu").read_text(), backend="nvcc", options=("-O3",))
     norm = cp.RawModule(code=(ROOT / "rewrite/plugins/rmsnorm/kernels/rmsnorm_cuda.cu").read_text(), backend="nvcc", options=("-O3",))
     copy = cp.ElementwiseKernel("T x", "T y", "y = x", "copy_f16")
