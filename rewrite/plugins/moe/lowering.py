@@ -316,7 +316,7 @@ class FusedMoE(AbstractOp):
         :data:`CUDA_SYNC_SLOTS` sites in a module (each has its own counters) the two kernels again. With two
         launches (the default), where :func:`cuda_mma_steps` holds (f16, INT4 blocks of 128: the seeds' decode
         layers) and the option ``moe.tensor_cores`` is not false, the two kernels are the tensor-core pair
-        ``moe_gate_up_mma<S>_f16`` on (T, ceil(k * I / 16)) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and
+        ``moe_gate_up_mma<S>_f16`` on (T, ceil(k * I / 8 / :data:`MMA_GATE_GROUPS`)) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and
         constants (``moe_fused`` and the sites past its slots keep the other pair). The INT4
         dequantization is inside the dot product (the kernel source's header gives the fast path); down adds the
         gated shared expert and the addend in its store. The scalars are i32 push constants (10; moe_fused also
