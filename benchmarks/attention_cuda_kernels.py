@@ -18,8 +18,12 @@ interface, with macros passed to nvcc (``parse_variant`` of benchmarks/moe_cuda_
 by side on the same caches, so their times compare directly. Bytes per call: the visible K and V rows of every K/V
 head, Q, Y and the mask rows. Each case runs with each of ``--splits`` (1, and the lowering's ``cuda_splits``: a
 decode row's positions over several workgroups, merged by the last), checked before and after it is timed. Then the
-conformance kit's samples of the op (f32 and f16, every mask form) through each variant's kernel, with 1, 2 and 3
-splits and the lowering's. Exits 1 when an output is off its reference.
+conformance kit's samples of the op (f32 and f16, every mask form, the rotary inputs) through each variant's
+kernel, with 1, 2 and 3 splits and the lowering's. Exits 1 when an output is off its reference.
+
+Each case also runs ``grouped_attention_rope_f16_d<D>`` (``NAME+rope``): the layer's RoPE of Q and of the new K rows
+inside the attention (the ``attention-absorbs-rope`` form), with Qwen3's q/k norms for qwen3 and none for qwen1.5,
+checked against the reference of the op with its rotary inputs (Y and the rotated K rows).
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, cupy_or_exit, parse_variant, timed  # noqa: E402
 
-#: name -> (query heads, K/V heads, head size): Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json
-MODELS = {"qwen1.5": (16, 16, 128), "qwen3": (32, 4, 128)}
+#: name -> (query heads, K/V heads, head size, q/k norms): Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json
+MODELS = {"qwen1.5": (16, 16, 128, False), "qwen3": (32, 4, 128, True)}
+EPS = 1e-6  #: the q/k norms' epsilon (Qwen3's rms_norm_eps)
 #: (T query rows, S cache positions, visible positions): decode at 160 of 256 (decode_full's cache), at 160 and
 #: 4,000 of 4,096; a 128-token prefill into the 256-slot cache
 CASES = ((1, 256, 160), (1, 4096, 160), (1, 4096, 4000), (128, 256, 128))
@@ -75,7 +80,7 @@ def main() -> int:
           f"{'of copy':>8}  check")
     rng = np.random.default_rng(0)
     failed = 0
-    for name, (hq, hkv, d) in MODELS.items():
+    for name, (hq, hkv, d, norms) in MODELS.items():
         for t, s, visible in CASES:
             crng = cp.random.RandomState(t + s)
             layers = max(LAYERS, -(-COLD_BYTES // (2 * hkv * s * d * 2)))
@@ -94,25 +99,47 @@ def main() -> int:
             position = cp.asarray(np.array([visible - t], np.int64))
             k0, v0 = (cp.asnumpy(x) for x in caches[0])
             want = GroupedAttention().reference({"scale": scale}, q, k0, v0, mask)[0].astype(np.float64)
+            # the rotary form: tables of the T positions, the norms' weights (qwen3), the rotated K rows written
+            ang = np.arange(visible - t, visible, dtype=np.float32)[:, None] * 1e6 ** (-np.arange(0, d, 2, dtype=np.float32) / d)
+            ang = np.concatenate([ang, ang], -1)[None, None]
+            cos, sin = np.cos(ang).astype(np.float16), np.sin(ang).astype(np.float16)
+            qw, kw = ((1 + 0.1 * rng.standard_normal(d)).astype(np.float16) if norms else None for _ in range(2))
+            kn0, vn0 = (cp.asnumpy(x) for x in news[0])
+            want_rope = [w.astype(np.float64) for w in GroupedAttention().reference(
+                {"scale": scale, "norm_epsilon": EPS}, q, k0, v0, mask, kn0, vn0, np.array([visible - t]), cos, sin, qw, kw)]
+            dummy = cp.zeros(1, cp.float16)
+            rope_ins = (cp.asarray(cos), cp.asarray(sin), dummy if qw is None else cp.asarray(qw), dummy if kw is None else cp.asarray(kw))
+            krot = cp.zeros((1, hkv, t, d), cp.float16)
+            rope_consts = [np.int32(c) for c in (0, d if t > 1 else 0, 0, d if t > 1 else 0, 3 if norms else 0,
+                                                 struct.unpack("<i", struct.pack("<f", EPS))[0])]
             splits = sorted({cuda_splits(1, hq, t, s) if p == "auto" else max(1, int(p)) for p in args.splits.split(",")})
-            for (vname, mod), p in ((vm, p) for vm in mods.items() for p in splits):
-                kernel = mod.get_function(f"grouped_attention_f16_d{d}")
+            for (vname, mod), p, rope in ((vm, p, r) for vm in mods.items() for p in splits for r in (False, True)):
+                kernel = mod.get_function(f"grouped_attention_{'rope_' if rope else ''}f16_d{d}")
                 part = cp.empty(hq * t * p * (d + 2), cp.float32)
                 tail = (np.int32(p), np.int32(0))  # splits, site
-                vname = f"{vname}/{p}"
+                vname = f"{vname}{'+rope' if rope else ''}/{p}"
 
-                def launch(layer: int, kernel=kernel, part=part, tail=tail, p=p) -> None:
+                def launch(layer: int, kernel=kernel, part=part, tail=tail, p=p, rope=rope) -> None:
                     k, v = caches[layer]
                     kn, vn = news[layer]
-                    kernel((hq * p, t, 1), (CUDA_THREADS,), (dq, k, v, dmask, kn, vn, position, y, part, *consts, *tail))
+                    if rope:
+                        kernel((hq * p, t, 1), (CUDA_THREADS,), (dq, k, v, dmask, kn, vn, position, *rope_ins, y, part, krot,
+                                                                 *consts, *tail, *rope_consts))
+                    else:
+                        kernel((hq * p, t, 1), (CUDA_THREADS,), (dq, k, v, dmask, kn, vn, position, y, part, *consts, *tail))
 
-                def error(launch=launch) -> float:
-                    """Relative error of ``y`` after one launch on layer 0 (y zeroed first)."""
+                def error(launch=launch, rope=rope) -> float:
+                    """Relative error of ``y`` (and, rotary, of the rotated K rows) after one launch on layer 0
+                    (both zeroed first)."""
                     cp.cuda.Device().synchronize()
                     y[...] = 0
+                    krot[...] = 0
                     launch(0)
                     cp.cuda.Device().synchronize()
-                    return float(np.abs(cp.asnumpy(y).astype(np.float64) - want).max() / max(1e-6, np.abs(want).max()))
+                    got = [y, krot] if rope else [y]
+                    wants = want_rope if rope else [want]
+                    return max(float(np.abs(cp.asnumpy(g).astype(np.float64) - w).max() / max(1e-6, np.abs(w).max()))
+                               for g, w in zip(got, wants))
 
                 err = error()
                 us = timed(cp, [lambda i=i: launch(i % layers) for i in range(max(ITERS, layers))], args.reps)
@@ -132,7 +159,8 @@ def main() -> int:
 
 def check_samples(cp, mod) -> int:
     """The conformance kit's samples of GroupedAttention (grouped and plain heads, decode and prefill rows, masks
-    of [1, 1, T, S], [B, 1, T, S] and [1, Hq, T, S], none; f32 and f16) through the kernel, against the reference
+    of [1, 1, T, S], [B, 1, T, S] and [1, Hq, T, S], none; f32 and f16; with the rotary inputs through
+    ``grouped_attention_rope_*``, its rotated K rows checked too) through the kernel, against the reference
     (float32 1e-4, float16 1e-2 relative to the largest output). Returns the number that are off."""
     from rewrite.plugins.attention.op import CUDA_SPLIT_ROWS, CUDA_THREADS, GroupedAttention, cuda_splits
 
@@ -141,7 +169,7 @@ def check_samples(cp, mod) -> int:
     for n, (attrs, ins) in enumerate(op.sample_inputs(np.random.default_rng(1))):
         if attrs.get("nan_rows_zero"):  # the kernel has no NaN guard: the attention rule does not match it for cuda
             continue
-        q, k, v, mask, k_new, v_new, position = (ins + [None] * 7)[:7]
+        q, k, v, mask, k_new, v_new, position, cos, sin, qw, kw = (ins + [None] * 11)[:11]
         b, hq, t, d = q.shape
         el = "f16" if q.dtype == np.float16 else "f32"
         y = cp.zeros(q.shape, q.dtype)
@@ -155,19 +183,36 @@ def check_samples(cp, mod) -> int:
         dummy = cp.zeros(1, q.dtype)
         dmask = cp.asarray(mask) if mask is not None else dummy
         news = (cp.asarray(k_new), cp.asarray(v_new), cp.asarray(position)) if n_new else (dummy, dummy, cp.zeros(1, cp.int64))
-        want = op.reference(attrs, q, k, v, mask, k_new, v_new, position)[0].astype(np.float64)
+        wants = [w.astype(np.float64) for w in op.reference(attrs, q, k, v, mask, k_new, v_new, position, cos, sin, qw, kw)]
+        rope = cos is not None
+        if rope:  # the rotary kernel: its tables' strides over B and T, the norms, the rotated K rows
+            table = lambda x: (0 if x.shape[0] == 1 else x.shape[2] * d, 0 if x.shape[2] == 1 else d)  # noqa: E731
+            flags = int(qw is not None) | 2 * int(kw is not None)
+            eps = struct.unpack("<i", struct.pack("<f", attrs.get("norm_epsilon", 0.0)))[0]
+            rope_consts = [np.int32(c) for c in (*table(cos), *table(sin), flags, eps)]
+            rope_ins = (cp.asarray(cos), cp.asarray(sin), *(dummy if w is None else cp.asarray(w) for w in (qw, kw)))
+            krot = cp.zeros(k_new.shape, q.dtype)
         forced = (2, 3) if b * hq * t <= CUDA_SPLIT_ROWS else ()  # the samples' S are small: splits forced too
         for p in sorted({1, *forced, cuda_splits(b, hq, t, k.shape[2])}):
             y[...] = 0
             part = cp.empty(b * hq * t * p * (d + 2), cp.float32)
-            mod.get_function(f"grouped_attention_{el}_d{d}")(
-                (hq * p, t, b), (CUDA_THREADS,),
-                (cp.asarray(q), cp.asarray(k), cp.asarray(v), dmask, *news, y, part, *consts, np.int32(p), np.int32(0)))
-            err = float(np.abs(cp.asnumpy(y).astype(np.float64) - want).max() / max(1e-6, np.abs(want).max()))
+            qkv = (cp.asarray(q), cp.asarray(k), cp.asarray(v), dmask, *news)
+            if rope:
+                krot[...] = 0
+                mod.get_function(f"grouped_attention_rope_{el}_d{d}")(
+                    (hq * p, t, b), (CUDA_THREADS,),
+                    (*qkv, *rope_ins, y, part, krot, *consts, np.int32(p), np.int32(0), *rope_consts))
+            else:
+                mod.get_function(f"grouped_attention_{el}_d{d}")(
+                    (hq * p, t, b), (CUDA_THREADS,), (*qkv, y, part, *consts, np.int32(p), np.int32(0)))
+            got = [y, krot] if rope else [y]
+            err = max(float(np.abs(cp.asnumpy(g).astype(np.float64) - w).max() / max(1e-6, np.abs(w).max()))
+                      for g, w in zip(got, wants))
             ok = err <= (1e-2 if el == "f16" else 1e-4)
             failed += not ok
             print(f"sample {n}: Q {list(q.shape)} K {list(k.shape)} mask {None if mask is None else list(mask.shape)} "
-                  f"new rows {n_new} {el}, {p} split(s): rel. error {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+                  f"new rows {n_new}{' rotated' if rope else ''} {el}, {p} split(s): rel. error {err:.1e} "
+                  f"{'ok' if ok else 'WRONG'}", flush=True)
     return failed
 
 

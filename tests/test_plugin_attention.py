@@ -82,14 +82,19 @@ def test_cuda_lowering_compiles(seed_fp16_qwen3_cuda_step):
     # copies the whole state global once instead): the plugins cast,rope,legalize,expand,kv,attention,topk,moe
     folder, m, counts = seed_fp16_qwen3_cuda_step
     (report,) = [r for r in m.report if r["plugin"] == "attention"]
-    assert _rules(report) == {"grouped-attention": 2, "attention-reads-loaded-cache": 2}
+    assert _rules(report) == {"grouped-attention": 2, "attention-reads-loaded-cache": 2, "attention-absorbs-rope": 2}
     mlir = (folder / "model.mlir").read_text()
     d = seed_form.seed_config("fp16", arch="qwen3_moe").head_dim
-    dispatches = re.findall(rf"flow\.dispatch @attention_exec::@grouped_attention_f16_d{d}\[.*", mlir)
-    assert len(dispatches) == 2
-    # split-KV: its f32 scratch result and the dispatch site as the last push constant, sites 0 and 1
-    assert all(re.search(rf"-> \(tensor<1x\d+x1x{d}xf16>, tensor<\?xf32>", line) for line in dispatches)
-    assert sorted(re.search(r", %c(\d+)_i32(?:_\d+)?\) :", line).group(1) for line in dispatches) == ["0", "1"]
+    # each layer's RoPE pair (Q's and K's norms and rotations) inside its attention: no RoPE dispatch is left
+    dispatches = re.findall(rf"flow\.dispatch @attention_rope_exec::@grouped_attention_rope_f16_d{d}\[.*", mlir)
+    assert len(dispatches) == 2 and "@rope2_exec" not in mlir and "@rope_exec" not in mlir
+    # split-KV: its f32 scratch result, then the rotated K rows; the dispatch site the 12th push constant (the
+    # 23rd operand, after 11 bindings), sites 0 and 1; both norms (flags 3)
+    assert all(re.search(rf"-> \(tensor<1x\d+x1x{d}xf16>, tensor<\?xf32>\{{%\w+\}}, tensor<1x\d+x1x{d}xf16>\)", line)
+               for line in dispatches)
+    operands = [re.search(r"\]\(([^)]*)\)", line).group(1).split(", ") for line in dispatches]
+    assert sorted(re.match(r"%c(\d+)_i32", ops[22]).group(1) for ops in operands) == ["0", "1"]
+    assert all(ops[27] == "%c3_i32" for ops in operands)
     assert any(k.startswith("kernels/attention_cuda-") for k in m.kernel_objects)
     assert (folder / "model.vmfb").stat().st_size > 0
     # the 4 cache writes (K and V of 2 layers, consecutive slots of one global) are one state-rows dispatch
@@ -159,3 +164,117 @@ def test_cuda_splits_of_a_decode_row():
     assert cuda_splits(1, 32, 128, 256) == 1  # prefill: its rows fill the GPU already
     assert cuda_splits(2, 200, 1, 4096) == 1  # 400 rows: no workgroups left to split over
     assert cuda_splits(CUDA_SPLIT_ROWS, 1, 1, 4096) == 1 and cuda_splits(64, 1, 1, 4096) == 2
+
+
+def _rotary_layer(q_also_read: bool = False, t: int = 1):
+    """One layer's RoPE pair and attention as ``rope`` and ``attention`` leave them on IREE cuda before
+    ``attention-absorbs-rope``, in the ai.rewrite domain (f32, Qwen3's two norms): RotaryEmbedding(Q, cos, sin,
+    qw, K_new, kw) -> GroupedAttention(Yq, K, V, mask, Yk, V_new, position) -> Y, and the cache write
+    KVCacheUpdate(K, Yk, position) -> K_out; with ``q_also_read`` the rotated Q is a graph output too. K_new has
+    ``t`` rows, Q one."""
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    vi = lambda name, shape, ty=f: helper.make_tensor_value_info(name, ty, shape)  # noqa: E731
+    nodes = [helper.make_node("RotaryEmbedding", ["Q", "cos", "sin", "qw", "Knew", "kw"], ["Yq", "Yk"], domain="ai.rewrite",
+                              name="rope", norm_epsilon=1e-6),
+             helper.make_node("GroupedAttention", ["Yq", "K", "V", "mask", "Yk", "Vnew", "position"], ["Y"], domain="ai.rewrite",
+                              name="attn", scale=0.125),
+             helper.make_node("KVCacheUpdate", ["K", "Yk", "position"], ["K_out"], domain="ai.rewrite", axis=2)]
+    inputs = [vi("Q", [1, 8, 1, 64]), vi("cos", [1, 1, 1, 64]), vi("sin", [1, 1, 1, 64]), vi("qw", [64]),
+              vi("Knew", [1, 2, t, 64]), vi("kw", [64]), vi("K", [1, 2, 16, 64]), vi("V", [1, 2, 16, 64]),
+              vi("mask", [1, 1, 1, 16]), vi("Vnew", [1, 2, t, 64]), vi("position", [1], TensorProto.INT64)]
+    outputs = [vi("Y", [1, 8, 1, 64]), vi("K_out", [1, 2, 16, 64])] + ([vi("Yq", [1, 8, 1, 64])] if q_also_read else [])
+    g = helper.make_graph(nodes, "layer", inputs, outputs, value_info=[vi("Yq", [1, 8, 1, 64]), vi("Yk", [1, 2, t, 64])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.rewrite", 1)])
+
+
+def test_absorbed_rope_computes_what_the_pair_did(tmp_path):
+    """attention-absorbs-rope on one layer: the pair and the attention become one GroupedAttention with the
+    pair's inputs (cos, sin, both norm weights, norm_epsilon) and two outputs, its second read by the cache write;
+    lowered for ONNX Runtime, Y and the written cache equal the unabsorbed layer's within f32 rounding."""
+    from rewrite.core import onnx_io
+    from rewrite.core.driver import PluginReport
+    from rewrite.plugins.attention.op import GroupedAttention
+    from rewrite.plugins.attention.rotary import absorb_rotary
+    from rewrite.plugins.kv_cache import KVCacheUpdate
+    from rewrite.plugins.rope.op import RotaryEmbedding
+    from rewrite.backends import load_runner
+    from rewrite.testing.conformance import lower_graph
+
+    rng = np.random.default_rng(0)
+    ang = rng.uniform(0, 100, size=(1, 1, 1, 32)).astype(np.float32)
+    feeds = {"Q": rng.standard_normal((1, 8, 1, 64)), "cos": np.cos(np.concatenate([ang, ang], -1)),
+             "sin": np.sin(np.concatenate([ang, ang], -1)), "qw": 1 + 0.1 * rng.standard_normal(64),
+             "Knew": rng.standard_normal((1, 2, 1, 64)), "kw": 1 + 0.1 * rng.standard_normal(64),
+             "K": rng.standard_normal((1, 2, 16, 64)), "V": rng.standard_normal((1, 2, 16, 64)),
+             "mask": np.where(np.arange(16) <= 5, 0.0, -np.inf).reshape(1, 1, 1, 16), "Vnew": rng.standard_normal((1, 2, 1, 64))}
+    feeds = {k: np.asarray(v, np.float32) for k, v in feeds.items()} | {"position": np.array([5], np.int64)}
+    ops = [GroupedAttention(), RotaryEmbedding(), KVCacheUpdate()]
+    got = {}
+    for absorbed in (False, True):
+        graph = onnx_io.load(_rotary_layer())
+        report = PluginReport("attention")
+        assert absorb_rotary(graph, report, dry_run=not absorbed) == 1
+        assert report.rules["attention-absorbs-rope"].matches == 1
+        if absorbed:
+            (attn,) = graph.nodes_by_op("GroupedAttention", "ai.rewrite")
+            assert not graph.nodes_by_op("RotaryEmbedding", "ai.rewrite")
+            assert attn.inputs == ["Q", "K", "V", "mask", "Knew", "Vnew", "position", "cos", "sin", "qw", "kw"]
+            assert attn.attr("norm_epsilon") == pytest.approx(1e-6) and attn.attr("scale") == 0.125
+            (write,) = graph.nodes_by_op("KVCacheUpdate", "ai.rewrite")
+            assert write.inputs[1] == attn.outputs[1]
+        runner = load_runner(lower_graph(graph, "ort", tmp_path / f"ort{absorbed}", ops))
+        got[absorbed] = runner.run(feeds)
+    for name in ("Y", "K_out"):
+        np.testing.assert_allclose(got[True][name], got[False][name], rtol=1e-5, atol=1e-5)
+    assert float(np.abs(got[True]["K_out"][:, :, 5] - feeds["Knew"][:, :, 0]).max()) > 0.1  # the rows are rotated
+
+
+@pytest.mark.parametrize("q_also_read, t, why", [
+    (True, 1, "the rotated Q 'Yq' is read by more than the attention"),
+    (False, 2, "the same number of rows T"),
+])
+def test_absorb_rope_refusals(q_also_read, t, why):
+    """The pair stays apart, with the reason, when its rotated Q is read elsewhere too (a graph output here) or
+    K_new's rows are not Q's (the tables' row r rotates new row r)."""
+    from rewrite.core import onnx_io
+    from rewrite.core.driver import PluginReport
+    from rewrite.plugins.attention.rotary import absorb_rotary
+
+    graph = onnx_io.load(_rotary_layer(q_also_read=q_also_read, t=t))
+    report = PluginReport("attention")
+    assert absorb_rotary(graph, report) == 0
+    assert len(graph.nodes_by_op("RotaryEmbedding", "ai.rewrite")) == 1
+    assert why in json.dumps(report.rules["attention-absorbs-rope"].to_json())
+
+
+@pytest.mark.parametrize("options, absorbed", [({}, 1), ({"rope": True}, 1), ({"rope": False}, 0)])
+def test_rope_option(options, absorbed):
+    """The plugin on one layer for IREE cuda: attention-absorbs-rope runs by default and with rope=true, not with
+    rope=false (the pair then stays its own launch); for IREE llvm-cpu it never runs."""
+    from rewrite.core import onnx_io
+    from rewrite.core.driver import PluginReport, RewriteContext
+    from rewrite.plugins.attention import Attention
+
+    for target, want in (("cuda", absorbed), ("llvm-cpu", 0)):
+        graph = onnx_io.load(_rotary_layer())
+        report = PluginReport("attention")
+        Attention().run(graph, report, RewriteContext(backend="iree", target=target, options={"attention": options}))
+        assert len(graph.nodes_by_op("RotaryEmbedding", "ai.rewrite")) == 1 - want
+        assert report.rules.get("attention-absorbs-rope") is None or report.rules["attention-absorbs-rope"].matches == want
+
+
+@pytest.mark.parametrize("options, message", [({"ropes": True}, "unknown option 'ropes'; options: rope"),
+                                              ({"rope": 1}, "option rope=1; true or false expected")])
+def test_rope_option_errors(options, message):
+    """An unknown option, or rope not a boolean, is one line naming it, before anything is rewritten."""
+    from rewrite.core import onnx_io
+    from rewrite.core.driver import PluginReport, RewriteContext
+    from rewrite.errors import RewriteError
+    from rewrite.plugins.attention import Attention
+
+    graph = onnx_io.load(_rotary_layer())
+    with pytest.raises(RewriteError, match=re.escape(message)):
+        Attention().run(graph, PluginReport("attention"), RewriteContext(backend="iree", target="cuda", options={"attention": options}))
+    assert len(graph.nodes_by_op("RotaryEmbedding", "ai.rewrite")) == 1

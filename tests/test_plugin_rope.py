@@ -64,9 +64,10 @@ def test_seed_form_fp16_on_iree(tmp_path, arch, inputs):
 
 @pytest.mark.slow
 def test_cuda_step_launches(seed_fp16_qwen3_cuda_step, tmp_path):
-    """iree --target cuda, the stateful one-token step of the fp16 Qwen3 seed form: one dispatch of the shipped
-    kernel per layer (Q and K paired by rotary-embedding-pair), and 11 fewer dispatches per layer than
-    iree-compile 3.13 makes of the q/k norms and RoPE with its own projections."""
+    """iree --target cuda, the stateful one-token step of the fp16 Qwen3 seed form: Q and K paired by
+    rotary-embedding-pair, the pair then inside the layer's attention dispatch (attention-absorbs-rope), so no RoPE
+    dispatch is left: 12 fewer dispatches per layer than iree-compile 3.13 makes of the q/k norms and RoPE with its
+    own projections (11 with the pair's own dispatch)."""
     import seed_form
 
     # with rope: the shared folder of cast,rope,legalize,expand,kv,attention,topk,moe; without it, lowered here
@@ -77,9 +78,9 @@ def test_cuda_step_launches(seed_fp16_qwen3_cuda_step, tmp_path):
     counts = {"rope": with_rope, "own": census(tmp_path / "own")}
     mlir = (folder / "model.mlir").read_text()
     layers = seed_form.seed_config("fp16", arch="qwen3_moe").layers
-    assert len(re.findall(r"flow\.dispatch @rope2_exec::@rotary_embedding2_f16_d\d+\[", mlir)) == layers
-    assert "@rope_exec::" not in mlir
-    assert counts["own"]["dispatches"] - counts["rope"]["dispatches"] == 11 * layers
+    assert "@rope2_exec::" not in mlir and "@rope_exec::" not in mlir
+    assert len(re.findall(r"flow\.dispatch @attention_rope_exec::@grouped_attention_rope_f16_d\d+\[", mlir)) == layers
+    assert counts["own"]["dispatches"] - counts["rope"]["dispatches"] == 12 * layers
 
 
 def test_cuda_target_refuses_head_sizes_the_kernel_lacks(tmp_path):

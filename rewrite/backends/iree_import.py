@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
 
 import onnx
 
 from rewrite.core.spill import external_info
+from rewrite.errors import BackendError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +78,10 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
         ``{initializer name: [offset, length]}`` of the bytes in the ``.irpa`` that are the initializer's raw data
         (its ONNX external-data form; 4-bit types are stored unpacked and left out).
 
+    Raises:
+        BackendError: the archive could not be written (a full disk, mostly; a missing folder), with the space
+            left there.
+
     Args:
         params: (initializer name, parameter key) pairs, the importer's ``globals``.
         initializers: initializer protos by name (external data not loaded).
@@ -100,7 +106,15 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
                 index.add_from_file_handle(key, rt.FileHandle.wrap_fd(fds[path]), length, offset)
             else:
                 index.add_buffer(key, numpy_helper.to_array(t, base_dir=data_dir))
-        index.create_archive_file(param_path)
+        try:
+            index.create_archive_file(param_path)
+        except (RuntimeError, ValueError) as e:  # a full disk, mostly: one line, not the runtime's traceback
+            folder = os.path.dirname(os.path.abspath(param_path))
+            while not os.path.isdir(folder):  # the space of the disk it would be on
+                folder = os.path.dirname(folder)
+            free = shutil.disk_usage(folder).free
+            raise BackendError(f"cannot write the parameter archive {param_path} ({str(e).strip().splitlines()[-1]}; "
+                               f"{free / 1e9:.2f} GB free there)") from None
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -20,6 +20,10 @@ as the step loaded it, and iree-compile, with every write after every read, writ
 copying a cache slice per attention (with iree-compile's own RoPE fused into the write, the write would still run
 early: the stateful writes keep their rows' producer apart, ``rewrite.backends.iree_stateful``).
 
+A third, ``attention-absorbs-rope`` (IREE cuda only, :mod:`rewrite.plugins.attention.rotary`), gives the
+attention its layer's RoPE pair: the kernel rotates Q and the new K rows itself, one launch fewer per layer
+(``--opt attention.rope=false`` keeps them apart).
+
 Why: IREE's own lowering materializes the repeated K and V of every layer (Qwen3-30B-A3B: 0.58 ms of a 4.72 ms
 decode step on an H200, in 96 launches) and runs the scores, softmax and product as separate dispatches; the CUDA
 kernel reads each K/V head once for its query group. Runs after ``kv`` (whose static cache the K and V are) and
@@ -35,7 +39,9 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.ir import dtype_name
 from rewrite.core.pattern import AttrVar, Const, Or, Var
 from rewrite.core.rules import rule
+from rewrite.errors import RewriteError
 from rewrite.plugins.attention.op import CUDA_HEAD_SIZES, GroupedAttention, check_shapes
+from rewrite.plugins.attention.rotary import absorb_rotary
 from rewrite.plugins.base import KernelObject, Plugin
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
@@ -222,12 +228,27 @@ class Attention(Plugin):
     runs_before = ("legalize",)
     description = "Attention core (QK^T, scale, mask, Softmax, PV; grouped K/V heads) -> GroupedAttention"
     opset_range = (13, 28)
-    kernels = (KernelObject("grouped_attention_f32/f16_d32..256", "iree", "cuda", "kernels/attention_cuda.cu"),)
+    kernels = (KernelObject("grouped_attention[_rope]_f32/f16_d32..256", "iree", "cuda", "kernels/attention_cuda.cu"),)
 
     @property
     def rules(self):
         return [grouped_attention, reads_loaded_cache]
 
+    def run(self, graph, report, ctx=None, *, dry_run=False):
+        """The rules, then for IREE cuda :func:`absorb_rotary` (a layer's RoPE pair into its attention) unless the
+        option ``rope`` is false.
+
+        Raises:
+            RewriteError: an unknown option, or ``rope`` not a boolean."""
+        opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
+        unknown = sorted(set(opts) - {"rope"})
+        if unknown:
+            raise RewriteError(f"attention: unknown option '{unknown[0]}'; options: rope")
+        if not isinstance(opts.get("rope", True), bool):
+            raise RewriteError(f"attention: option rope={opts['rope']!r}; true or false expected")
+        super().run(graph, report, ctx, dry_run=dry_run)
+        if ctx is not None and (ctx.backend, ctx.target) == ("iree", "cuda") and opts.get("rope", True):
+            absorb_rotary(graph, report, dry_run=dry_run)
 
     @property
     def abstract_ops(self):

@@ -16,7 +16,16 @@ Contract (inputs; float = f32 or f16, one type for all; B batch, T query rows, S
    it plus the step's rows, so the cache write itself can come after every read (see the ``attention`` plugin's
    ``attention-reads-loaded-cache`` rule)
 
-Attributes ``scale`` (float), ``nan_rows_zero`` (int, default 0). Output ``Y`` [B, Hq, T, D]::
+7. ``cos`` (optional, with 8 and K_new) float [Bc, 1, Tc, D], Bc in (1, B), Tc in (1, T)
+8. ``sin`` (optional) float [Bs, 1, Ts, D] likewise: Q and K_new are first rotated as
+   ``RotaryEmbedding(Q, cos, sin[, q_norm_weight])`` and ``RotaryEmbedding(K_new, cos, sin[, k_norm_weight])``
+   (:mod:`rewrite.plugins.rope.op`'s contract; new row r takes the tables' row r, so n = T), and the op has a
+   second output ``K_rotated`` [B, Hkv, n, D], the rotated K_new: what the cache stores
+9. ``q_norm_weight`` (optional) float [D]: Q's per-head RMSNorm before its rotation (Qwen3's ``q_norm``)
+10. ``k_norm_weight`` (optional) float [D]: K_new's (``k_norm``); with either weight, attribute ``norm_epsilon``
+
+Attributes ``scale`` (float), ``nan_rows_zero`` (int, default 0), ``norm_epsilon`` (float, with a norm weight).
+Output ``Y`` [B, Hq, T, D] (from the rotated Q and K_new when 7 and 8 are given)::
 
     scores = Q K^T            (summed in float32, rounded to Q's dtype: the ONNX MatMul)
     scores = scores * scale + mask            (each rounded to Q's dtype: the ONNX Mul and Add)
@@ -36,11 +45,14 @@ batch), its warps over the key positions, reading the K/V rows of its group's he
 them in L2) and skipping positions the mask hides; at decode a row's positions are split over several workgroups
 and the last merges their states (:func:`cuda_splits`)
 (iree-compile 3.13 materializes the repeated K and V and runs 5 dispatches per layer: BENCHMARKS.md, "Full-size
-decode on the H200").
+decode on the H200"). The rotary inputs are what ``attention-absorbs-rope`` gives a layer on IREE cuda
+(:mod:`rewrite.plugins.attention.rotary`): the kernel rotates Q's row and the new K rows as it reads them, one
+launch instead of the RoPE dispatch before it; the other lowerings rotate first, as RotaryEmbedding's own do.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -54,11 +66,15 @@ from rewrite.core.lowering import Lowering
 from rewrite.core.rules import Builder
 from rewrite.errors import BackendError
 from rewrite.plugins.kv_cache import KV_UPDATE, rows_written_onnx
+from rewrite.plugins.rope.op import RotaryEmbedding, rotated_onnx, rotation_linalg, table_strides
+from rewrite.plugins.rope.op import check_shapes as rotary_shapes
 
 CUDA_THREADS = 512  #: THREADS in kernels/attention_cuda.cu: 16 warps
 CUDA_HEAD_SIZES = (32, 64, 128, 256)  #: D the kernels are built for (D / 32 elements a lane)
 CUDA_EXECUTABLE = "attention_exec"
 CUDA_KERNELS = [f"grouped_attention_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
+CUDA_ROTARY_EXECUTABLE = "attention_rope_exec"
+CUDA_ROTARY_KERNELS = [f"grouped_attention_rope_{el}_d{d}" for el in ("f16", "f32") for d in CUDA_HEAD_SIZES]
 CUDA_SPLIT_SITES = 1024  #: ATTN_SITES in kernels/attention_cuda.cu: dispatch sites of a module that may split
 CUDA_SPLIT_ROWS = 128  #: ATTN_ROWS: query rows (B * Hq * T) of a launch that splits
 #: workgroups a decode launch's splits aim at in all (about one per SM of an H100: 512 threads of 72 registers at D = 128)
@@ -114,6 +130,21 @@ def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False, new=None) 
     return b, hq, hkv, t, s, d
 
 
+def check_rotary(q, k_new, cos, sin, q_weight, k_weight, where: str) -> None:
+    """Check the rotary inputs 7-10 (shapes as tuples, None for an unknown dim, the weights None when absent)
+    against Q [B, Hq, T, D] and K_new [B, Hkv, n, D]: each rotation within RotaryEmbedding's contract, n = T.
+
+    Raises:
+        ValueError: naming ``where``: no K_new, only one table, n other than T (both known), or a table or
+            weight outside :func:`rewrite.plugins.rope.op.check_shapes`."""
+    if cos is None or sin is None or k_new is None:
+        raise ValueError(f"{where}: cos and sin go together, and with K_new")
+    rotary_shapes(q, cos, sin, q_weight, f"{where} (Q's rotation)")
+    rotary_shapes(k_new, cos, sin, k_weight, f"{where} (K_new's rotation)")
+    if k_new[2] != q[2] and (isinstance(k_new[2], int) and isinstance(q[2], int) or k_new[2] is None or q[2] is None):
+        raise ValueError(f"{where}: K_new {list(k_new)} and Q {list(q)}: the rotated new rows must be the call's T rows")
+
+
 class GroupedAttention(AbstractOp):
     """The contract in the module docstring."""
 
@@ -123,15 +154,25 @@ class GroupedAttention(AbstractOp):
     def lowerings(self) -> list[Lowering]:
         return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
-    def reference(self, attrs: dict, q, k, v, mask=None, k_new=None, v_new=None, position=None) -> list[np.ndarray]:
-        """numpy float32 evaluation of the contract, each ONNX op's result rounded to Q's dtype; returns [Y].
+    def reference(self, attrs: dict, q, k, v, mask=None, k_new=None, v_new=None, position=None, cos=None, sin=None,
+                  q_norm_weight=None, k_norm_weight=None) -> list[np.ndarray]:
+        """numpy float32 evaluation of the contract, each ONNX op's result rounded to Q's dtype; returns [Y], or
+        [Y, K_rotated] with the rotary inputs (Q and K_new rotated first by RotaryEmbedding's reference).
 
         Raises:
-            ValueError: shapes outside the contract (:func:`check_shapes`), only some of the new-row inputs, or
-                new rows outside the cache."""
+            ValueError: shapes outside the contract (:func:`check_shapes`, :func:`check_rotary`), only some of the
+                new-row inputs, or new rows outside the cache."""
         news = (k_new, v_new, position)
         if any(x is not None for x in news) and any(x is None for x in news):
             raise ValueError("GroupedAttention: K_new, V_new and position go together")
+        if cos is not None or sin is not None:
+            shape = lambda x: None if x is None else x.shape  # noqa: E731
+            check_rotary(q.shape, shape(k_new), shape(cos), shape(sin), shape(q_norm_weight), shape(k_norm_weight),
+                         "GroupedAttention")
+            eps = {"norm_epsilon": attrs["norm_epsilon"]} if "norm_epsilon" in attrs else {}
+            q = RotaryEmbedding().reference(eps, q, cos, sin, q_norm_weight)[0]
+            k_new = RotaryEmbedding().reference(eps, k_new, cos, sin, k_norm_weight)[0]
+            return self.reference(attrs, q, k, v, mask, k_new, v_new, position) + [k_new]
         check_shapes(q.shape, k.shape, v.shape, None if mask is None else mask.shape, "GroupedAttention",
                      new=None if k_new is None else (k_new.shape, v_new.shape))
         if k_new is not None:  # the cache with this call's rows written: KVCacheUpdate's contract
@@ -156,7 +197,7 @@ class GroupedAttention(AbstractOp):
         """Conformance-kit samples: grouped (4 query heads a K/V head) and plain heads, one query row (decode) and
         several (prefill), a static cache whose later positions the mask hides, masks of [1, 1, T, S],
         [B, 1, T, S] and [1, Hq, T, S], no mask, f32 and f16; ``nan_rows_zero`` with a row the mask hides
-        wholly."""
+        wholly; the new rows apart; the rotary inputs with both norms, none, and Q's alone with per-batch tables."""
         def case(b, hq, hkv, t, s, d, dt, mask="causal", visible=None):
             q, k, v = (rng.standard_normal(shape).astype(dt) for shape in ((b, hq, t, d), (b, hkv, s, d), (b, hkv, s, d)))
             ins = [q, k, v]
@@ -180,6 +221,21 @@ class GroupedAttention(AbstractOp):
             mask = ins[3] if len(ins) > 3 else None
             return attrs, [q, k, v, mask, kn, vn, np.array([p if position is None else position], np.int64)]
 
+        def rotary(sample, q_norm=False, k_norm=False, per_batch=False):
+            """The sample with the rotary inputs: tables of random positions (one per batch row with
+            ``per_batch``), the norm weights asked for (epsilon 1e-6)."""
+            attrs, ins = sample
+            b, _, t, d = ins[0].shape
+            dt = ins[0].dtype
+            pos = rng.integers(0, 4096, size=(b if per_batch else 1, t)).astype(np.float32)
+            inv = 1e6 ** (-np.arange(0, d, 2, dtype=np.float32) / d)
+            ang = pos[..., None] * np.concatenate([inv, inv])[None, None]
+            cos, sin = (f(ang)[:, None].astype(dt) for f in (np.cos, np.sin))
+            weight = lambda on: (1 + 0.1 * rng.standard_normal(d)).astype(dt) if on else None  # noqa: E731
+            if q_norm or k_norm:
+                attrs = {**attrs, "norm_epsilon": 1e-6}
+            return attrs, ins + [cos, sin, weight(q_norm), weight(k_norm)]
+
         guarded = case(1, 4, 2, 2, 8, 32, np.float32)  # a fully hidden row: NaN probabilities, zeroed
         guarded[0]["nan_rows_zero"] = 1
         guarded[1][3][..., 0, :] = -np.inf
@@ -189,27 +245,44 @@ class GroupedAttention(AbstractOp):
                 # decode and prefill with the new rows apart: mid-cache, a negative position, at slot 0, no mask
                 with_new(case(1, 8, 2, 1, 24, 32, np.float32, visible=17), 16),
                 with_new(case(1, 4, 1, 3, 40, 128, np.float16, visible=33), 30, position=-10),
-                with_new(case(2, 6, 2, 2, 9, 32, np.float32, mask=None), 0)]
+                with_new(case(2, 6, 2, 2, 9, 32, np.float32, mask=None), 0),
+                # the rotary inputs: Qwen3's decode (both norms), Qwen1.5's (none), prefill rows with per-batch
+                # tables and Q's norm alone
+                rotary(with_new(case(1, 8, 2, 1, 24, 128, np.float16, visible=17), 16), q_norm=True, k_norm=True),
+                rotary(with_new(case(1, 4, 4, 1, 20, 64, np.float32, visible=9), 8)),
+                rotary(with_new(case(2, 4, 2, 3, 12, 32, np.float32, visible=7), 4), q_norm=True, per_batch=True)]
 
     # ------------------------------------------------------------------ ORT
     def lower_ort(self, graph: Graph, node: Node) -> None:
         """The decomposition of the contract: ``MatMul(Q, Transpose(K')) -> Mul(scale) -> [Add(mask)] -> Softmax ->
         MatMul(., V')`` with ``K' = Reshape(Expand(Unsqueeze(K, 2), [B, Hkv, G, S, D]), [B, Hq, S, D])`` when G > 1;
-        with new rows, K and V first get them as KVCacheUpdate's ONNX Runtime lowering writes them (ScatterND)."""
+        with new rows, K and V first get them as KVCacheUpdate's ONNX Runtime lowering writes them (ScatterND); with
+        the rotary inputs, Q and K_new are first rotated as RotaryEmbedding's lowering does (:func:`rotated_onnx`),
+        the rotated K_new also the second output."""
         q, k, v = node.inputs[:3]
         mask = node.inputs[3] if len(node.inputs) > 3 else ""
         new = [x for x in node.inputs[4:7] if x]
+        cos, sin, q_weight, k_weight = (list(node.inputs[7:11]) + [""] * 4)[:4]
         qv, kv = graph.values[q], graph.values[k]
         dt = qv.dtype
+        b = Builder(graph, "lower/GroupedAttention", node.order, node.name)
+        where = f"GroupedAttention node {node.describe()}"
         try:
             if len(new) not in (0, 3):
-                raise ValueError(f"GroupedAttention node {node.describe()}: K_new, V_new and position go together")
+                raise ValueError(f"{where}: K_new, V_new and position go together")
+            if cos or sin:
+                shape = lambda x: graph.values[x].shape if x else None  # noqa: E731
+                check_rotary(qv.shape, shape(new[0]) if new else None, shape(cos), shape(sin), shape(q_weight),
+                             shape(k_weight), where)
+                eps = node.attr("norm_epsilon")
+                q = rotated_onnx(graph, b, q, cos, sin, q_weight, eps, where)
+                new[0] = rotated_onnx(graph, b, new[0], cos, sin, k_weight, eps, where)
             _, hq, hkv, _, _, d = check_shapes(qv.shape, kv.shape, graph.values[v].shape,
                                                graph.values[mask].shape if mask else None, f"GroupedAttention node {node.describe()}",
                                                lowered=True, new=(graph.values[new[0]].shape, graph.values[new[1]].shape) if new else None)
         except ValueError as e:
             raise BackendError(str(e)) from None
-        b = Builder(graph, "lower/GroupedAttention", node.order, node.name)
+        rotated_rows = new[0] if cos else ""
         if new:
             k, v = (rows_written_onnx(graph, b, past, rows, new[2], 2) for past, rows in ((k, new[0]), (v, new[1])))
         i64 = lambda vals, name: b.const(np.asarray(vals, np.int64), name)  # noqa: E731
@@ -233,7 +306,7 @@ class GroupedAttention(AbstractOp):
         if node.attr("nan_rows_zero", 0):
             probs = b.op("Where", [b.op("IsNaN", [probs], dtype=TensorProto.BOOL), b.const(np.zeros((), np_dt), "zero"), probs], dtype=dt)
         y = b.op("MatMul", [probs, repeated(v)], dtype=dt, shape=graph.values[node.outputs[0]].shape)
-        graph.replace_node(node, [y])
+        graph.replace_node(node, [y, rotated_rows] if len(node.outputs) > 1 else [y])
         graph.remove_unused_initializers()
 
     # ----------------------------------------------------------------- IREE
@@ -246,7 +319,14 @@ class GroupedAttention(AbstractOp):
             BackendError: a target other than llvm-cpu, or operands outside the contract (dynamic Hq, Hkv or D)."""
         if ctx.target != "llvm-cpu":
             raise BackendError(f"GroupedAttention linalg lowering asked for target '{ctx.target}'")
-        return IreeLowering(body=_Linalg(op).body())
+        t = _Operands(op)
+        if not t.rotary:
+            return IreeLowering(body=_Linalg(op).body())
+        # the rotary inputs: Q and K_new rotated first (RotaryEmbedding's linalg ops), the core reading them
+        body = rotation_linalg(op, 0, 7, 8, 9 if t.q_weight else None, "rq", "rq_")
+        body += rotation_linalg(op, 4, 7, 8, 10 if t.k_weight else None, "rk", "rk_")
+        body += f"    %out1 = tensor.cast %rk : {t.new[0].builtin} to {op.result_types[1].builtin}\n"
+        return IreeLowering(body=body + re.sub(r"%in([04])(?!\w)", lambda m: "%rq" if m.group(1) == "0" else "%rk", _Linalg(op).body()))
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """One dispatch of ``kernels/attention_cuda.cu`` (PTX for ``ctx.cuda_arch``), ``grouped_attention_<el>_d<D>``
@@ -255,7 +335,10 @@ class GroupedAttention(AbstractOp):
         seed 000's flash decode). Bindings Q, K, V, mask, K_new, V_new, position (dummies when absent), then Y and an
         f32 scratch result of the splits' states that nothing reads; push constants T, S, Hq, Hkv, the mask's
         strides over B, heads and T (0 where it broadcasts), has_mask, the scale's float32 bits (i32), the number of
-        new rows (0 without), the splits and the dispatch site (its tickets in the module's memory).
+        new rows (0 without), the splits and the dispatch site (its tickets in the module's memory). With the rotary
+        inputs ``grouped_attention_rope_<el>_d<D>``: bindings cos, sin and the two norm weights (dummies when
+        absent) after the position, K_rotated after the scratch; push constants cos's and sin's strides over B and
+        T (0 where they broadcast), the flags of the two norms and the epsilon's float32 bits after the site.
 
         Raises:
             BackendError: a target other than cuda, D not in :data:`CUDA_HEAD_SIZES`, or operands outside the
@@ -288,7 +371,10 @@ class GroupedAttention(AbstractOp):
         else:
             new_args, new_types = "%dummy, %dummy, %nopos", f"tensor<1x{t.el}>, tensor<1x{t.el}>, tensor<1xi64>"
             body += "    %n32 = arith.constant 0 : i32\n"
+        # one count of dispatch sites for both executables: they share the PTX module's tickets
         body += _splits_mlir(ctx.next_site(CUDA_EXECUTABLE), t.d)
+        if t.rotary:
+            return self._rotary_cuda(op, t, obj, body, mask_arg, mask_type, new_args, new_types)
         body += f"""    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
     %nopos = arith.constant dense<0> : tensor<1xi64>
     %y, %part = flow.dispatch @{CUDA_EXECUTABLE}::@{kernel}[%gxs, %gy, %gz](%in0, %in1, %in2, {mask_arg}, {new_args}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32, %n32, %p32, %site32) :
@@ -297,6 +383,30 @@ class GroupedAttention(AbstractOp):
     %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}
 """
         return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 7, 2, 12, CUDA_THREADS)})
+
+    def _rotary_cuda(self, op: TorchOperator, t: "_Operands", obj: str, body: str, mask_arg: str, mask_type: str,
+                     new_args: str, new_types: str) -> IreeLowering:
+        """:meth:`lower_iree_cuda` with the rotary inputs: ``body`` (the grid, constants and splits so far) and
+        the dispatch of ``grouped_attention_rope_<el>_d<D>``."""
+        dims = dispatch_dims
+        kernel = f"grouped_attention_rope_{t.el}_d{t.d}"
+        eps_bits = struct.unpack("<i", struct.pack("<f", float(op.attrs.get("norm_epsilon", 0.0))))[0]
+        flags = int(t.q_weight is not None) | 2 * int(t.k_weight is not None)
+        body += "\n".join(["    %c1 = arith.constant 1 : index", f"    %cd = arith.constant {t.d} : index",
+                           *table_strides(op, 7, "c"), *table_strides(op, 8, "s"),
+                           f"    %rflags32 = arith.constant {flags} : i32", f"    %eps32 = arith.constant {eps_bits} : i32"]) + "\n"
+        weight = lambda k, x: (f"%in{k}", f"{x.builtin}{dims(k, x)}") if x is not None else ("%dummy", f"tensor<1x{t.el}>")  # noqa: E731
+        (qw, qw_type), (kw, kw_type) = weight(9, t.q_weight), weight(10, t.k_weight)
+        kn = t.new[0]
+        body += f"""    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
+    %y, %part, %kr = flow.dispatch @{CUDA_ROTARY_EXECUTABLE}::@{kernel}[%gxs, %gy, %gz](%in0, %in1, %in2, {mask_arg}, {new_args}, %in7, %in8, {qw}, {kw}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32, %n32, %p32, %site32, %csb32, %cst32, %ssb32, %sst32, %rflags32, %eps32) :
+        ({t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, {new_types}, {t.cos.builtin}{dims(7, t.cos)}, {t.sin.builtin}{dims(8, t.sin)}, {qw_type}, {kw_type}, {", ".join(["i32"] * 18)})
+        -> ({t.q.builtin}{dims(0, t.q)}, tensor<?xf32>{{%np}}, {kn.builtin}{dims(4, kn)})
+    %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}
+    %out1 = tensor.cast %kr : {kn.builtin} to {op.result_types[1].builtin}
+"""
+        return IreeLowering(body=body, module_items={CUDA_ROTARY_EXECUTABLE: cuda_executable_source(
+            CUDA_ROTARY_EXECUTABLE, obj, CUDA_ROTARY_KERNELS, 11, 3, 18, CUDA_THREADS)})
 
 
 def _splits_mlir(site: int, d: int) -> str:
@@ -358,6 +468,22 @@ class _Operands:
                                "element type expected")
         self.hq, self.hkv, self.d, self.g = hq, hkv, d, hq // hkv
         self.el = self.q.builtin_element
+        # the rotary inputs 7-10 (None when absent)
+        present = lambda k: types[k] if len(types) > k and types[k].element != "none" else None  # noqa: E731
+        self.cos, self.sin, self.q_weight, self.k_weight = (present(k) for k in (7, 8, 9, 10))
+        self.rotary = self.cos is not None or self.sin is not None
+        if self.rotary:
+            dims = lambda x: None if x is None else x.dims  # noqa: E731
+            try:
+                check_rotary(self.q.dims, self.new[0].dims if self.new else None, dims(self.cos), dims(self.sin),
+                             dims(self.q_weight), dims(self.k_weight), f"GroupedAttention {op.where}")
+            except ValueError as e:
+                raise BackendError(str(e)) from None
+            if any(x.element != self.q.element for x in (self.cos, self.sin, self.q_weight, self.k_weight) if x is not None):
+                raise BackendError(f"GroupedAttention {op.where}: cos {self.cos.text}, Q {self.q.text}: the rotary inputs "
+                                   "must be of Q's element type")
+            if (self.q_weight is not None or self.k_weight is not None) and "norm_epsilon" not in op.attrs:
+                raise BackendError(f"GroupedAttention {op.where}: a norm weight without norm_epsilon")
         # the keys and values the core reads: the operands, or (with new rows) the cache with them written
         self.keys, self.values = ("%kw", "%vw") if self.new else ("%in1", "%in2")
 

@@ -12,7 +12,8 @@ Why: iree-compile 3.13 runs each of these as several dispatches (the rotation's 
 the norm's cast, reduction and scaling): 4 launches per layer for Qwen1.5-MoE's Q and K, 8 for Qwen3-30B-A3B's,
 where a decode step is bound by launches (BENCHMARKS.md, "Full-size decode on the H200"). Runs after ``cast``,
 before ``legalize`` and ``kv`` (whose cache writes read the rotated keys). For IREE cuda, ``rotary-embedding-pair``
-then makes each layer's Q and K rotation one op (:mod:`rewrite.plugins.rope.pair`).
+then makes each layer's Q and K rotation one op (:mod:`rewrite.plugins.rope.pair`), which the ``attention`` plugin
+then takes into the layer's attention kernel where it can (:mod:`rewrite.plugins.attention.rotary`).
 """
 
 from __future__ import annotations

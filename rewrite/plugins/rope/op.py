@@ -136,40 +136,13 @@ class RotaryEmbedding(AbstractOp):
         then ``Add(Mul(X, cos), Mul(Concat(Neg(X[..., D/2:]), X[..., :D/2]), sin))``; for X2 the same again."""
         ins = list(node.inputs) + [""] * (6 - len(node.inputs))
         b = Builder(graph, "lower/RotaryEmbedding", node.order, node.name)
-        ys = [self._decomposed(graph, node, b, ins[0], ins[3])]
+        where = f"RotaryEmbedding node {node.describe()}"
+        eps = node.attr("norm_epsilon")
+        ys = [rotated_onnx(graph, b, ins[0], ins[1], ins[2], ins[3], eps, where)]
         if ins[4]:
-            ys.append(self._decomposed(graph, node, b, ins[4], ins[5]))
+            ys.append(rotated_onnx(graph, b, ins[4], ins[1], ins[2], ins[5], eps, where))
         graph.replace_node(node, ys)
         graph.remove_unused_initializers()
-
-    def _decomposed(self, graph: Graph, node: Node, b: Builder, x: str, weight: str) -> str:
-        """The decomposition of :meth:`lower_ort` for one X (and its norm weight, "" when absent); returns Y."""
-        cos, sin = node.inputs[1:3]
-        xv = graph.values[x]
-        try:
-            _, _, _, d = check_shapes(xv.shape, graph.values[cos].shape, graph.values[sin].shape,
-                                      graph.values[weight].shape if weight else None, f"RotaryEmbedding node {node.describe()}")
-        except ValueError as e:
-            raise BackendError(str(e)) from None
-        dt, shape = xv.dtype, xv.shape
-        i64 = lambda vals, name: b.const(np.asarray(vals, np.int64), name)  # noqa: E731
-        if weight:
-            f32 = TensorProto.FLOAT
-            xf = b.op("Cast", [x], to=f32, dtype=f32) if dt != f32 else x
-            sq = b.op("Mul", [xf, xf], dtype=f32)
-            if (graph.opset() or 18) >= 18:
-                var = b.op("ReduceMean", [sq, i64([-1], "axes")], keepdims=1, dtype=f32)
-            else:  # before opset 18 ReduceMean takes its axes as an attribute
-                var = b.op("ReduceMean", [sq], axes=[-1], keepdims=1, dtype=f32)
-            eps = b.const(np.array(node.attr("norm_epsilon"), np.float32), "eps")
-            normed = b.op("Div", [xf, b.op("Sqrt", [b.op("Add", [var, eps], dtype=f32)], dtype=f32)], dtype=f32)
-            normed = b.op("Cast", [normed], to=dt, dtype=dt) if dt != f32 else normed
-            x = b.op("Mul", [normed, weight], dtype=dt, shape=shape)
-        half = d // 2
-        lo = b.op("Slice", [x, i64([0], "zero"), i64([half], "half"), i64([-1], "last")], dtype=dt)
-        hi = b.op("Slice", [x, i64([half], "half_b"), i64([d], "full"), i64([-1], "last_b")], dtype=dt)
-        rot = b.op("Concat", [b.op("Neg", [hi], dtype=dt), lo], axis=-1, dtype=dt)
-        return b.op("Add", [b.op("Mul", [x, cos], dtype=dt), b.op("Mul", [rot, sin], dtype=dt)], dtype=dt, shape=shape)
 
     # ----------------------------------------------------------------- IREE
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
@@ -184,7 +157,7 @@ class RotaryEmbedding(AbstractOp):
         first, second = _split_pair(op)
         body = _Linalg(first).body()
         if second is not None:  # X2: the same ops again, its SSA names apart
-            body += _renamed(_Linalg(second).body(), {"in0": "in4", "in3": "in5", "out0": "out1"})
+            body += _renamed(_Linalg(second).body(), {"in0": "in4", "in1": "in1", "in2": "in2", "in3": "in5", "out0": "out1"}, "pair_")
         return IreeLowering(body=body)
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
@@ -216,7 +189,7 @@ class RotaryEmbedding(AbstractOp):
                  "    %rows32 = arith.index_cast %rows : index to i32", "    %t32 = arith.index_cast %t : index to i32",
                  f"    %h32 = arith.constant {t.h} : i32", f"    %has32 = arith.constant {int(t.w is not None)} : i32",
                  f"    %eps32 = arith.constant {eps_bits} : i32",
-                 f"    %cd = arith.constant {t.d} : index", *_table_strides(op, 1, "c"), *_table_strides(op, 2, "s")]
+                 f"    %cd = arith.constant {t.d} : index", *table_strides(op, 1, "c"), *table_strides(op, 2, "s")]
         w_arg, w_type = ("%in3", t.w.builtin) if t.w is not None else ("%dummy", f"tensor<1x{t.el}>")
         lines.append(f"""    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
     %y = flow.dispatch @{CUDA_EXECUTABLE}::@{kernel}[%gx](%in0, %in1, %in2, {w_arg}, %rows32, %h32, %t32, %csb32, %cst32, %ssb32, %sst32, %has32, %eps32) :
@@ -224,6 +197,41 @@ class RotaryEmbedding(AbstractOp):
         -> {t.x.builtin}{dims(0, t.x)}
     %out0 = tensor.cast %y : {t.x.builtin} to {op.result_types[0].builtin}""")
         return IreeLowering(body="\n".join(lines) + "\n", module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 4, 1, 9, 32 * CUDA_WARPS, grid=1)})
+
+
+def rotated_onnx(graph: Graph, b: Builder, x: str, cos: str, sin: str, weight: str, eps: float | None, where: str) -> str:
+    """The contract's decomposition for one X (:meth:`RotaryEmbedding.lower_ort`; also GroupedAttention's rotary
+    inputs): ``[Cast -> Mul(x, x) -> ReduceMean -> Add(eps) -> Sqrt -> Div -> Cast -> Mul(weight)]`` with a norm
+    weight ("" when absent), then ``Add(Mul(X, cos), Mul(Concat(Neg(X[..., D/2:]), X[..., :D/2]), sin))``, built
+    with ``b``; returns Y's name.
+
+    Raises:
+        BackendError: naming ``where``: shapes outside the contract (:func:`check_shapes`)."""
+    xv = graph.values[x]
+    try:
+        _, _, _, d = check_shapes(xv.shape, graph.values[cos].shape, graph.values[sin].shape,
+                                  graph.values[weight].shape if weight else None, where)
+    except ValueError as e:
+        raise BackendError(str(e)) from None
+    dt, shape = xv.dtype, xv.shape
+    i64 = lambda vals, name: b.const(np.asarray(vals, np.int64), name)  # noqa: E731
+    if weight:
+        f32 = TensorProto.FLOAT
+        xf = b.op("Cast", [x], to=f32, dtype=f32) if dt != f32 else x
+        sq = b.op("Mul", [xf, xf], dtype=f32)
+        if (graph.opset() or 18) >= 18:
+            var = b.op("ReduceMean", [sq, i64([-1], "axes")], keepdims=1, dtype=f32)
+        else:  # before opset 18 ReduceMean takes its axes as an attribute
+            var = b.op("ReduceMean", [sq], axes=[-1], keepdims=1, dtype=f32)
+        eps = b.const(np.array(eps, np.float32), "eps")
+        normed = b.op("Div", [xf, b.op("Sqrt", [b.op("Add", [var, eps], dtype=f32)], dtype=f32)], dtype=f32)
+        normed = b.op("Cast", [normed], to=dt, dtype=dt) if dt != f32 else normed
+        x = b.op("Mul", [normed, weight], dtype=dt, shape=shape)
+    half = d // 2
+    lo = b.op("Slice", [x, i64([0], "zero"), i64([half], "half"), i64([-1], "last")], dtype=dt)
+    hi = b.op("Slice", [x, i64([half], "half_b"), i64([d], "full"), i64([-1], "last_b")], dtype=dt)
+    rot = b.op("Concat", [b.op("Neg", [hi], dtype=dt), lo], axis=-1, dtype=dt)
+    return b.op("Add", [b.op("Mul", [x, cos], dtype=dt), b.op("Mul", [rot, sin], dtype=dt)], dtype=dt, shape=shape)
 
 
 def _pair_cuda(op: TorchOperator, first: TorchOperator, second: TorchOperator, ctx: PatchContext) -> IreeLowering:
@@ -247,7 +255,7 @@ def _pair_cuda(op: TorchOperator, first: TorchOperator, second: TorchOperator, c
              f"    %h32 = arith.constant {t.h} : i32", f"    %h232 = arith.constant {t2.h} : i32",
              f"    %has32 = arith.constant {int(t.w is not None)} : i32", f"    %has232 = arith.constant {int(t2.w is not None)} : i32",
              f"    %eps32 = arith.constant {eps_bits} : i32",
-             f"    %cd = arith.constant {t.d} : index", *_table_strides(op, 1, "c"), *_table_strides(op, 2, "s"),
+             f"    %cd = arith.constant {t.d} : index", *table_strides(op, 1, "c"), *table_strides(op, 2, "s"),
              f"    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>"]
     w_arg, w_type = ("%in3", t.w.builtin) if t.w is not None else ("%dummy", f"tensor<1x{t.el}>")
     w2_arg, w2_type = ("%in5", t2.w.builtin) if t2.w is not None else ("%dummy", f"tensor<1x{t.el}>")
@@ -279,22 +287,34 @@ def _split_pair(op: TorchOperator) -> tuple[TorchOperator, TorchOperator | None]
     return first, TorchOperator(op.op_type, op.node, op.attrs, second, op.result_types[1:2])
 
 
-def _renamed(body: str, names: dict[str, str]) -> str:
-    """``body`` with each SSA name ``%n`` renamed: ``names[n]`` (and ``%n_d<k>``, an operand's dims, likewise), the
-    shared operands ``%in1``, ``%in2`` (cos, sin) kept, any other name prefixed ``pair_`` (so a second lowered body
-    defines no name of the first)."""
+def _renamed(body: str, names: dict[str, str], prefix: str) -> str:
+    """``body`` with each SSA name ``%n`` renamed: ``names[n]`` (and ``%n_d<k>``, an operand's dims, likewise), any
+    other name prefixed with ``prefix`` (so a second lowered body defines no name of the first)."""
     def one(m: re.Match) -> str:
         name = m.group(1)
         base, _, rest = name.partition("_d") if name.startswith("in") else (name, "", "")
         if base in names:
             return "%" + names[base] + ("_d" + rest if rest else "")
-        if base in ("in1", "in2"):
-            return m.group(0)
-        return "%pair_" + name
+        return "%" + prefix + name
     return re.sub(r"%([A-Za-z_][\w]*)", one, body)
 
 
-def _table_strides(op: TorchOperator, k: int, tag: str) -> list[str]:
+def rotation_linalg(op: TorchOperator, x: int, cos: int, sin: int, weight: int | None, result: str, prefix: str) -> str:
+    """llvm-cpu MLIR rotating operand ``x`` of another op ``op`` by its operands ``cos`` and ``sin`` (after the
+    norm with operand ``weight``, or none), :meth:`RotaryEmbedding.lower_iree`'s ops as part of that op's body:
+    defines ``%<result>`` of operand ``x``'s type, every other SSA name it defines prefixed with ``prefix``
+    (GroupedAttention's rotary inputs; ``op.attrs`` holds ``norm_epsilon`` with a weight).
+
+    Raises:
+        BackendError: operands outside RotaryEmbedding's contract."""
+    types = op.operand_types
+    picked = [x, cos, sin] + ([weight] if weight is not None else [])
+    sub = TorchOperator("RotaryEmbedding", op.node, op.attrs, [types[k] for k in picked], [types[x]])
+    names = {f"in{i}": f"in{k}" for i, k in enumerate(picked)} | {"out0": result}
+    return _renamed(_Linalg(sub).body(), names, prefix)
+
+
+def table_strides(op: TorchOperator, k: int, tag: str) -> list[str]:
     """MLIR defining ``%{tag}sb32`` and ``%{tag}st32`` (i32), operand ``k``'s (cos or sin, [Bc, 1, Tc, D]) element
     strides over B and T: Tc * D and D, each 0 where that dim is 1 (broadcast; compared at run time when dynamic).
     ``%c0``, ``%c1`` and ``%cd`` (D) must be defined."""

@@ -29,6 +29,14 @@
 // constant site < ATTN_SITES; rows < ATTN_ROWS), zero when the driver loads it and set back by the merging
 // workgroup: launches of one site must not overlap (IREE's CUDA HAL runs a module's dispatches in stream order),
 // and a launch aborted midway leaves its tickets behind until the module is loaded again.
+//
+// grouped_attention_rope_<el>_d<D> (the contract's rotary inputs): bindings q, k, v, mask, k_new, v_new, position,
+// cos, sin, q_norm_weight, k_norm_weight, then y, part and k_rot; push constants as above, then cos's and sin's
+// strides over B and T (csb, cst, ssb, sst: 0 where a table broadcasts), rope_flags (1: Q's norm, 2: K_new's) and
+// the norm epsilon's bits. Q's row and each K_new row are rotated as they are read, exactly as rope_cuda.cu's
+// rotary_row rotates them (the optional per-head RMSNorm first), and k_rot [B, Hkv, n, D] gets the rotated K_new
+// rows (n = T: new row r is rotated by the tables' row r), each written by the first split of its group's first
+// query head: what the cache stores.
 #include <cuda_fp16.h>
 #include <math_constants.h>
 #include <stdint.h>
@@ -58,6 +66,47 @@ __device__ __forceinline__ void load_row(const __half* p, float* out) {
   }
 }
 
+// The tables and norm weights of the rotary variant (the header's last paragraph); null tables: no rotation.
+template <typename T>
+struct Rotary {
+  const T* cos;
+  const T* sin;
+  const T* q_weight;  // null: no norm
+  const T* k_weight;
+  T* k_rot;
+  int csb, cst, ssb, sst;
+  float eps;
+};
+
+// rope_cuda.cu's rotary_row on a row the warp holds (lane l: elements l * DL .. l * DL + DL - 1, D = 32 DL): the
+// optional RMSNorm over D (float32 inside, as Qwen3RMSNorm), then y = round(round(x * cos) + round(rotate_half(x) *
+// sin)), every step rounded to T as the ONNX ops it replaces; the partner d +- D/2 is in lane l ^ 16. ``cr``, ``sr``
+// and ``w``: this lane's part of the tables' row and of the weight (or null). The whole warp calls it.
+template <typename T, int DL>
+__device__ __forceinline__ void rotate_row(float* v, const T* cr, const T* sr, const T* w, float eps) {
+  const int lane = threadIdx.x & 31;
+  const T* like = cr;  // rounded() takes the type from a pointer
+  float c[DL], s[DL];
+#pragma unroll
+  for (int j = 0; j < DL; ++j) c[j] = to_f(cr[j]), s[j] = to_f(sr[j]);
+  if (w) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < DL; ++j) ss += v[j] * v[j];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float den = sqrtf(ss / (float)(32 * DL) + eps);
+#pragma unroll
+    for (int j = 0; j < DL; ++j) v[j] = rounded(rounded(v[j] / den, like) * to_f(w[j]), like);
+  }
+#pragma unroll
+  for (int j = 0; j < DL; ++j) {
+    const float partner = __shfl_xor_sync(0xffffffffu, v[j], 16);
+    const float rot = lane < 16 ? -partner : partner;
+    v[j] = rounded(rounded(v[j] * c[j], like) + rounded(rot * s[j], like), like);
+  }
+}
+
 #define ATTN_SITES 1024  // CUDA_SPLIT_SITES in op.py: dispatch sites of a module that may split
 #define ATTN_ROWS 128    // CUDA_SPLIT_ROWS in op.py: query rows (B * Hq * T) of a launch that splits
 __device__ unsigned attn_tickets[ATTN_SITES][ATTN_ROWS];
@@ -66,7 +115,7 @@ template <typename T, int D>
 __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* mask, const T* k_new, const T* v_new,
                                   const int64_t* position, T* y, float* part, int Tq, int S, int Hq, int Hkv,
                                   int msb, int msh, int mst, int has_mask, float scale, int n_new, int splits,
-                                  int site) {
+                                  int site, const Rotary<T> rope) {
   constexpr int DL = D / 32;
   __shared__ float sh_m[WARPS], sh_l[WARPS];
   __shared__ float sh_acc[WARPS][D];
@@ -79,6 +128,10 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
 
   float qr[DL], acc[DL], m = -CUDART_INF_F, l = 0.f;
   load_row<DL>(q + ((size_t)(b * Hq + h) * Tq + t) * D + lane * DL, qr);
+  // with the rotary inputs: the table rows of query row t (and of new row r = t)
+  const T* crow = rope.cos ? rope.cos + (size_t)b * rope.csb + (size_t)t * rope.cst + lane * DL : nullptr;
+  const T* srow = rope.cos ? rope.sin + (size_t)b * rope.ssb + (size_t)t * rope.sst + lane * DL : nullptr;
+  if (rope.cos) rotate_row<T, DL>(qr, crow, srow, rope.q_weight ? rope.q_weight + lane * DL : nullptr, rope.eps);
 #pragma unroll
   for (int j = 0; j < DL; ++j) acc[j] = 0.f;
   const T* kb = k + (size_t)(b * Hkv + kvh) * S * D + lane * DL;
@@ -91,6 +144,15 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
   }
   const T* knb = k_new + (size_t)(b * Hkv + kvh) * n_new * D + lane * DL;
   const T* vnb = v_new + (size_t)(b * Hkv + kvh) * n_new * D + lane * DL;
+  const T* kw = rope.k_weight ? rope.k_weight + lane * DL : nullptr;
+  if (rope.cos && z == 0 && h % (Hq / Hkv) == 0 && warp == 0) {  // new row t of this K/V head, rotated, for the cache
+    float kr0[DL];
+    load_row<DL>(knb + (size_t)t * D, kr0);
+    rotate_row<T, DL>(kr0, crow, srow, kw, rope.eps);
+    T* out = rope.k_rot + ((size_t)(b * Hkv + kvh) * n_new + t) * D + lane * DL;
+#pragma unroll
+    for (int j = 0; j < DL; ++j) store(out + j, kr0[j]);
+  }
 
   for (int base = z * WARPS + warp; base < S; base += stride * 32) {  // 32 positions of this warp: base + stride * i
     const int mine = base + stride * lane;
@@ -112,6 +174,16 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
           const unsigned r = (unsigned)(s - p);  // a new row when r < n_new
           load_row<DL>(r < (unsigned)n_new ? knb + (size_t)r * D : kb + (size_t)s * D, kr[u]);
           load_row<DL>(r < (unsigned)n_new ? vnb + (size_t)r * D : vb + (size_t)s * D, vr[u]);
+        }
+      }
+      if (rope.cos) {  // a new key row is rotated as it is read (the row r is warp-uniform)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          if (u >= n) break;
+          const unsigned r = (unsigned)(base + stride * lanes[u] - p);
+          if (r < (unsigned)n_new)
+            rotate_row<T, DL>(kr[u], rope.cos + (size_t)b * rope.csb + (size_t)r * rope.cst + lane * DL,
+                              rope.sin + (size_t)b * rope.ssb + (size_t)r * rope.sst + lane * DL, kw, rope.eps);
         }
       }
 #pragma unroll
@@ -191,7 +263,18 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
       const T* q, const T* k, const T* v, const T* mask, const T* k_new, const T* v_new,                   \
       const int64_t* position, T* y, float* part, CONSTS) {                                               \
     grouped_attention<T, D>(q, k, v, mask, k_new, v_new, position, y, part, Tq, S, Hq, Hkv, msb, msh, mst, \
-                            has_mask, __int_as_float(scale_bits), n_new, splits, site);                   \
+                            has_mask, __int_as_float(scale_bits), n_new, splits, site,                    \
+                            Rotary<T>{nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0, 0.f});     \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(THREADS) grouped_attention_rope_##el##_d##D(                \
+      const T* q, const T* k, const T* v, const T* mask, const T* k_new, const T* v_new,                   \
+      const int64_t* position, const T* cos, const T* sin, const T* q_weight, const T* k_weight, T* y,     \
+      float* part, T* k_rot, CONSTS, int csb, int cst, int ssb, int sst, int rope_flags, int eps_bits) {   \
+    grouped_attention<T, D>(q, k, v, mask, k_new, v_new, position, y, part, Tq, S, Hq, Hkv, msb, msh, mst, \
+                            has_mask, __int_as_float(scale_bits), n_new, splits, site,                    \
+                            Rotary<T>{cos, sin, (rope_flags & 1) ? q_weight : nullptr,                    \
+                                      (rope_flags & 2) ? k_weight : nullptr, k_rot, csb, cst, ssb, sst,   \
+                                      __int_as_float(eps_bits)});                                         \
   }
 
 KERNEL(__half, f16, 32)
