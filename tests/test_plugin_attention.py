@@ -166,33 +166,42 @@ def test_cuda_splits_of_a_decode_row():
     assert cuda_splits(CUDA_SPLIT_ROWS, 1, 1, 4096) == 1 and cuda_splits(64, 1, 1, 4096) == 2
 
 
-def _rotary_layer(q_also_read: bool = False, t: int = 1):
+def _rotary_layer(q_also_read: bool = False, t: int = 1, swapped: bool = False, k_out: bool = False,
+                  k_feeds_attention: bool = False):
     """One layer's RoPE pair and attention as ``rope`` and ``attention`` leave them on IREE cuda before
     ``attention-absorbs-rope``, in the ai.rewrite domain (f32, Qwen3's two norms): RotaryEmbedding(Q, cos, sin,
     qw, K_new, kw) -> GroupedAttention(Yq, K, V, mask, Yk, V_new, position) -> Y, and the cache write
-    KVCacheUpdate(K, Yk, position) -> K_out; with ``q_also_read`` the rotated Q is a graph output too. K_new has
-    ``t`` rows, Q one."""
+    KVCacheUpdate(K, Yk, position) -> K_out. ``q_also_read``: the rotated Q is a graph output too; ``t``: K_new's
+    rows (Q has one); ``swapped``: the pair rotates K as X and Q as X2; ``k_out``: the rotated K is a graph output
+    too; ``k_feeds_attention``: the attention's V_new is Identity(rotated K) (a reader of it the attention needs)."""
     from onnx import TensorProto, helper
 
     f = TensorProto.FLOAT
     vi = lambda name, shape, ty=f: helper.make_tensor_value_info(name, ty, shape)  # noqa: E731
-    nodes = [helper.make_node("RotaryEmbedding", ["Q", "cos", "sin", "qw", "Knew", "kw"], ["Yq", "Yk"], domain="ai.rewrite",
-                              name="rope", norm_epsilon=1e-6),
-             helper.make_node("GroupedAttention", ["Yq", "K", "V", "mask", "Yk", "Vnew", "position"], ["Y"], domain="ai.rewrite",
+    pair = (["Knew", "cos", "sin", "kw", "Q", "qw"], ["Yk", "Yq"]) if swapped else (["Q", "cos", "sin", "qw", "Knew", "kw"], ["Yq", "Yk"])
+    v_new = "Yk_copy" if k_feeds_attention else "Vnew"
+    nodes = [helper.make_node("RotaryEmbedding", *pair, domain="ai.rewrite", name="rope", norm_epsilon=1e-6),
+             helper.make_node("GroupedAttention", ["Yq", "K", "V", "mask", "Yk", v_new, "position"], ["Y"], domain="ai.rewrite",
                               name="attn", scale=0.125),
              helper.make_node("KVCacheUpdate", ["K", "Yk", "position"], ["K_out"], domain="ai.rewrite", axis=2)]
+    if k_feeds_attention:
+        nodes.insert(1, helper.make_node("Identity", ["Yk"], ["Yk_copy"], name="copy"))
     inputs = [vi("Q", [1, 8, 1, 64]), vi("cos", [1, 1, 1, 64]), vi("sin", [1, 1, 1, 64]), vi("qw", [64]),
               vi("Knew", [1, 2, t, 64]), vi("kw", [64]), vi("K", [1, 2, 16, 64]), vi("V", [1, 2, 16, 64]),
               vi("mask", [1, 1, 1, 16]), vi("Vnew", [1, 2, t, 64]), vi("position", [1], TensorProto.INT64)]
-    outputs = [vi("Y", [1, 8, 1, 64]), vi("K_out", [1, 2, 16, 64])] + ([vi("Yq", [1, 8, 1, 64])] if q_also_read else [])
-    g = helper.make_graph(nodes, "layer", inputs, outputs, value_info=[vi("Yq", [1, 8, 1, 64]), vi("Yk", [1, 2, t, 64])])
+    outputs = [vi("Y", [1, 8, 1, 64]), vi("K_out", [1, 2, 16, 64])] + ([vi("Yq", [1, 8, 1, 64])] if q_also_read else []) \
+        + ([vi("Yk", [1, 2, t, 64])] if k_out else [])
+    g = helper.make_graph(nodes, "layer", inputs, outputs, value_info=[vi("Yq", [1, 8, 1, 64]), vi("Yk", [1, 2, t, 64]),
+                                                                       vi("Yk_copy", [1, 2, t, 64])])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.rewrite", 1)])
 
 
-def test_absorbed_rope_computes_what_the_pair_did(tmp_path):
+@pytest.mark.parametrize("swapped", [False, True])
+def test_absorbed_rope_computes_what_the_pair_did(tmp_path, swapped):
     """attention-absorbs-rope on one layer: the pair and the attention become one GroupedAttention with the
-    pair's inputs (cos, sin, both norm weights, norm_epsilon) and two outputs, its second read by the cache write;
-    lowered for ONNX Runtime, Y and the written cache equal the unabsorbed layer's within f32 rounding."""
+    pair's inputs (cos, sin, both norm weights, norm_epsilon; Q's whichever of X and X2 it was) and two outputs,
+    its second read by the cache write (and, swapped here, a graph output); lowered for ONNX Runtime, Y, the written
+    cache and the rotated K equal the unabsorbed layer's within f32 rounding."""
     from rewrite.core import onnx_io
     from rewrite.core.driver import PluginReport
     from rewrite.plugins.attention.op import GroupedAttention
@@ -213,7 +222,7 @@ def test_absorbed_rope_computes_what_the_pair_did(tmp_path):
     ops = [GroupedAttention(), RotaryEmbedding(), KVCacheUpdate()]
     got = {}
     for absorbed in (False, True):
-        graph = onnx_io.load(_rotary_layer())
+        graph = onnx_io.load(_rotary_layer(swapped=swapped, k_out=swapped))
         report = PluginReport("attention")
         assert absorb_rotary(graph, report, dry_run=not absorbed) == 1
         assert report.rules["attention-absorbs-rope"].matches == 1
@@ -226,23 +235,25 @@ def test_absorbed_rope_computes_what_the_pair_did(tmp_path):
             assert write.inputs[1] == attn.outputs[1]
         runner = load_runner(lower_graph(graph, "ort", tmp_path / f"ort{absorbed}", ops))
         got[absorbed] = runner.run(feeds)
-    for name in ("Y", "K_out"):
+    for name in ("Y", "K_out") + (("Yk",) if swapped else ()):
         np.testing.assert_allclose(got[True][name], got[False][name], rtol=1e-5, atol=1e-5)
     assert float(np.abs(got[True]["K_out"][:, :, 5] - feeds["Knew"][:, :, 0]).max()) > 0.1  # the rows are rotated
 
 
-@pytest.mark.parametrize("q_also_read, t, why", [
-    (True, 1, "the rotated Q 'Yq' is read by more than the attention"),
-    (False, 2, "the same number of rows T"),
+@pytest.mark.parametrize("layer, why", [
+    (dict(q_also_read=True), "the rotated Q 'Yq' is read by more than the attention"),
+    (dict(t=2), "the same number of rows T"),
+    (dict(k_feeds_attention=True), "the rotated K 'Yk' is read by 'copy' (Identity), which the attention depends on"),
 ])
-def test_absorb_rope_refusals(q_also_read, t, why):
-    """The pair stays apart, with the reason, when its rotated Q is read elsewhere too (a graph output here) or
-    K_new's rows are not Q's (the tables' row r rotates new row r)."""
+def test_absorb_rope_refusals(layer, why):
+    """The pair stays apart, with the reason, when its rotated Q is read elsewhere too (a graph output here),
+    K_new's rows are not Q's (the tables' row r rotates new row r), or a reader of the rotated K feeds the attention
+    (it would then read the attention's own output)."""
     from rewrite.core import onnx_io
     from rewrite.core.driver import PluginReport
     from rewrite.plugins.attention.rotary import absorb_rotary
 
-    graph = onnx_io.load(_rotary_layer(q_also_read=q_also_read, t=t))
+    graph = onnx_io.load(_rotary_layer(**layer))
     report = PluginReport("attention")
     assert absorb_rotary(graph, report) == 0
     assert len(graph.nodes_by_op("RotaryEmbedding", "ai.rewrite")) == 1
@@ -278,3 +289,35 @@ def test_rope_option_errors(options, message):
     with pytest.raises(RewriteError, match=re.escape(message)):
         Attention().run(graph, PluginReport("attention"), RewriteContext(backend="iree", target="cuda", options={"attention": options}))
     assert len(graph.nodes_by_op("RotaryEmbedding", "ai.rewrite")) == 1
+
+
+@pytest.mark.parametrize("backend", ["ort", "iree"])
+@pytest.mark.parametrize("case, message", [
+    ("one_output", "1 output(s) with the rotary inputs; Y and K_rotated expected"),
+    ("no_epsilon", "a norm weight without the attribute norm_epsilon"),
+])
+def test_rotary_inputs_outside_the_contract(tmp_path, backend, case, message):
+    """A GroupedAttention with the rotary inputs but one output, or a norm weight without norm_epsilon, is refused
+    by the lowering with one line naming the node (not an IndexError, not a NaN epsilon)."""
+    from onnx import TensorProto, helper
+
+    from rewrite.core import onnx_io
+    from rewrite.errors import BackendError
+    from rewrite.plugins.attention.op import GroupedAttention
+    from rewrite.testing.conformance import lower_graph
+
+    f = TensorProto.FLOAT
+    vi = lambda name, shape, ty=f: helper.make_tensor_value_info(name, ty, shape)  # noqa: E731
+    outs = ["Y"] if case == "one_output" else ["Y", "Kr"]
+    attrs = {"scale": 0.125} | ({} if case == "no_epsilon" else {"norm_epsilon": 1e-6})
+    node = helper.make_node("GroupedAttention", ["Q", "K", "V", "", "Knew", "Vnew", "position", "cos", "sin", "qw", ""], outs,
+                            domain="ai.rewrite", name="attn", **attrs)
+    inputs = [vi("Q", [1, 4, 1, 32]), vi("K", [1, 2, 8, 32]), vi("V", [1, 2, 8, 32]), vi("Knew", [1, 2, 1, 32]),
+              vi("Vnew", [1, 2, 1, 32]), vi("position", [1], TensorProto.INT64), vi("cos", [1, 1, 1, 32]),
+              vi("sin", [1, 1, 1, 32]), vi("qw", [32])]
+    outputs = [vi("Y", [1, 4, 1, 32])] + ([vi("Kr", [1, 2, 1, 32])] if len(outs) > 1 else [])
+    model = helper.make_model(helper.make_graph([node], "g", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.rewrite", 1)])
+    with pytest.raises(BackendError, match=re.escape(message)) as e:
+        lower_graph(onnx_io.load(model), backend, tmp_path / backend, [GroupedAttention()])
+    assert "attn" in str(e.value) and "\n" not in str(e.value).strip()

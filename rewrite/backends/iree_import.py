@@ -80,7 +80,7 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
 
     Raises:
         BackendError: the archive could not be written (a full disk, mostly; a missing folder), with the space
-            left there.
+            left there; a partial archive is removed.
 
     Args:
         params: (initializer name, parameter key) pairs, the importer's ``globals``.
@@ -109,12 +109,15 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
         try:
             index.create_archive_file(param_path)
         except (RuntimeError, ValueError) as e:  # a full disk, mostly: one line, not the runtime's traceback
+            if os.path.exists(param_path):  # a partial archive
+                os.unlink(param_path)
             folder = os.path.dirname(os.path.abspath(param_path))
             while not os.path.isdir(folder):  # the space of the disk it would be on
                 folder = os.path.dirname(folder)
             free = shutil.disk_usage(folder).free
-            raise BackendError(f"cannot write the parameter archive {param_path} ({str(e).strip().splitlines()[-1]}; "
-                               f"{free / 1e9:.2f} GB free there)") from None
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            raise BackendError(f"cannot write the parameter archive {param_path} ({why}; {free / 1e9:.2f} GB free "
+                               "there)") from None
     finally:
         for fd in fds.values():
             os.close(fd)

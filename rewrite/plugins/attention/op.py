@@ -130,15 +130,21 @@ def check_shapes(q, k, v, mask, where: str, *, lowered: bool = False, new=None) 
     return b, hq, hkv, t, s, d
 
 
-def check_rotary(q, k_new, cos, sin, q_weight, k_weight, where: str) -> None:
+def check_rotary(q, k_new, cos, sin, q_weight, k_weight, has_epsilon: bool, outputs: int, where: str) -> None:
     """Check the rotary inputs 7-10 (shapes as tuples, None for an unknown dim, the weights None when absent)
-    against Q [B, Hq, T, D] and K_new [B, Hkv, n, D]: each rotation within RotaryEmbedding's contract, n = T.
+    against Q [B, Hq, T, D] and K_new [B, Hkv, n, D]: each rotation within RotaryEmbedding's contract, n = T, a
+    ``norm_epsilon`` (``has_epsilon``) with a norm weight, and two outputs (``outputs``: the node's count).
 
     Raises:
-        ValueError: naming ``where``: no K_new, only one table, n other than T (both known), or a table or
-            weight outside :func:`rewrite.plugins.rope.op.check_shapes`."""
+        ValueError: naming ``where``: no K_new, only one table, n other than T (both ints, or one of them unknown;
+            two dim names are taken as equal: the rule proved them), a weight without ``norm_epsilon``, not two
+            outputs, or a table or weight outside :func:`rewrite.plugins.rope.op.check_shapes`."""
     if cos is None or sin is None or k_new is None:
         raise ValueError(f"{where}: cos and sin go together, and with K_new")
+    if (q_weight is not None or k_weight is not None) and not has_epsilon:
+        raise ValueError(f"{where}: a norm weight without the attribute norm_epsilon")
+    if outputs != 2:
+        raise ValueError(f"{where}: {outputs} output(s) with the rotary inputs; Y and K_rotated expected")
     rotary_shapes(q, cos, sin, q_weight, f"{where} (Q's rotation)")
     rotary_shapes(k_new, cos, sin, k_weight, f"{where} (K_new's rotation)")
     if k_new[2] != q[2] and (isinstance(k_new[2], int) and isinstance(q[2], int) or k_new[2] is None or q[2] is None):
@@ -168,7 +174,7 @@ class GroupedAttention(AbstractOp):
         if cos is not None or sin is not None:
             shape = lambda x: None if x is None else x.shape  # noqa: E731
             check_rotary(q.shape, shape(k_new), shape(cos), shape(sin), shape(q_norm_weight), shape(k_norm_weight),
-                         "GroupedAttention")
+                         "norm_epsilon" in attrs, 2, "GroupedAttention")
             eps = {"norm_epsilon": attrs["norm_epsilon"]} if "norm_epsilon" in attrs else {}
             q = RotaryEmbedding().reference(eps, q, cos, sin, q_norm_weight)[0]
             k_new = RotaryEmbedding().reference(eps, k_new, cos, sin, k_norm_weight)[0]
@@ -273,10 +279,12 @@ class GroupedAttention(AbstractOp):
             if cos or sin:
                 shape = lambda x: graph.values[x].shape if x else None  # noqa: E731
                 check_rotary(qv.shape, shape(new[0]) if new else None, shape(cos), shape(sin), shape(q_weight),
-                             shape(k_weight), where)
+                             shape(k_weight), node.attr("norm_epsilon") is not None, len(node.outputs), where)
                 eps = node.attr("norm_epsilon")
                 q = rotated_onnx(graph, b, q, cos, sin, q_weight, eps, where)
                 new[0] = rotated_onnx(graph, b, new[0], cos, sin, k_weight, eps, where)
+            elif len(node.outputs) != 1:
+                raise ValueError(f"{where}: {len(node.outputs)} outputs without the rotary inputs; Y alone expected")
             _, hq, hkv, _, _, d = check_shapes(qv.shape, kv.shape, graph.values[v].shape,
                                                graph.values[mask].shape if mask else None, f"GroupedAttention node {node.describe()}",
                                                lowered=True, new=(graph.values[new[0]].shape, graph.values[new[1]].shape) if new else None)
@@ -371,7 +379,8 @@ class GroupedAttention(AbstractOp):
         else:
             new_args, new_types = "%dummy, %dummy, %nopos", f"tensor<1x{t.el}>, tensor<1x{t.el}>, tensor<1xi64>"
             body += "    %n32 = arith.constant 0 : i32\n"
-        # one count of dispatch sites for both executables: they share the PTX module's tickets
+        # one count of dispatch sites for both executables: no two launches share a ticket slot, whether the two
+        # load as one module or as two
         body += _splits_mlir(ctx.next_site(CUDA_EXECUTABLE), t.d)
         if t.rotary:
             return self._rotary_cuda(op, t, obj, body, mask_arg, mask_type, new_args, new_types)
@@ -476,14 +485,16 @@ class _Operands:
             dims = lambda x: None if x is None else x.dims  # noqa: E731
             try:
                 check_rotary(self.q.dims, self.new[0].dims if self.new else None, dims(self.cos), dims(self.sin),
-                             dims(self.q_weight), dims(self.k_weight), f"GroupedAttention {op.where}")
+                             dims(self.q_weight), dims(self.k_weight), "norm_epsilon" in op.attrs,
+                             len(op.result_types), f"GroupedAttention {op.where}")
             except ValueError as e:
                 raise BackendError(str(e)) from None
             if any(x.element != self.q.element for x in (self.cos, self.sin, self.q_weight, self.k_weight) if x is not None):
                 raise BackendError(f"GroupedAttention {op.where}: cos {self.cos.text}, Q {self.q.text}: the rotary inputs "
                                    "must be of Q's element type")
-            if (self.q_weight is not None or self.k_weight is not None) and "norm_epsilon" not in op.attrs:
-                raise BackendError(f"GroupedAttention {op.where}: a norm weight without norm_epsilon")
+        elif len(op.result_types) != 1:
+            raise BackendError(f"GroupedAttention {op.where}: {len(op.result_types)} results without the rotary "
+                               "inputs; Y alone expected")
         # the keys and values the core reads: the operands, or (with new rows) the cache with them written
         self.keys, self.values = ("%kw", "%vw") if self.new else ("%in1", "%in2")
 
