@@ -169,12 +169,13 @@ def test_module_from_needs_the_iree_backend(seed_fp16, compiled, tmp_path):
 
 def test_parameter_archive_that_cannot_be_written_is_one_line(tmp_path):
     """The .irpa writer's failure (a full disk; here a folder that does not exist) is a BackendError naming the
-    archive and the space left, not the runtime's traceback."""
+    archive, the bytes it needs and the space left, not the runtime's traceback."""
     from rewrite.backends.iree_import import save_params
     from rewrite.errors import BackendError
 
     w = numpy_helper.from_array(np.ones(4, np.float32), "w")
     target = tmp_path / "missing" / "model.irpa"
-    with pytest.raises(BackendError, match=r"cannot write the parameter archive .*model\.irpa \(.*; [0-9.]+ GB free there\)") as e:
+    with pytest.raises(BackendError, match=r"cannot write the parameter archive .*model\.irpa \(.*; it needs 0\.00 GB, "
+                                           r"[0-9.]+ GB free there\)") as e:
         save_params([("w", "w")], {"w": w}, str(tmp_path), str(target))
     assert "\n" not in str(e.value)

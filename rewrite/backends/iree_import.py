@@ -79,8 +79,8 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
         (its ONNX external-data form; 4-bit types are stored unpacked and left out).
 
     Raises:
-        BackendError: the archive could not be written (a full disk, mostly; a missing folder), with the space
-            left there; a partial archive is removed.
+        BackendError: the archive could not be written (a full disk, mostly; a missing folder), with the bytes it
+            needs and the space left there; a partial archive is removed.
 
     Args:
         params: (initializer name, parameter key) pairs, the importer's ``globals``.
@@ -95,6 +95,7 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
 
     index = rt.ParameterIndex()
     fds: dict[str, int] = {}
+    total = 0  # bytes of parameter data the archive holds (its headers and alignment aside)
     try:
         for name, key in params:
             t = initializers[name]
@@ -104,8 +105,11 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
                 if path not in fds:
                     fds[path] = os.open(path, os.O_RDONLY)
                 index.add_from_file_handle(key, rt.FileHandle.wrap_fd(fds[path]), length, offset)
+                total += length
             else:
-                index.add_buffer(key, numpy_helper.to_array(t, base_dir=data_dir))
+                array = numpy_helper.to_array(t, base_dir=data_dir)
+                index.add_buffer(key, array)
+                total += array.nbytes
         try:
             index.create_archive_file(param_path)
         except (RuntimeError, ValueError) as e:  # a full disk, mostly: one line, not the runtime's traceback
@@ -116,8 +120,8 @@ def save_params(params: list[tuple[str, str]], initializers: dict[str, onnx.Tens
                 folder = os.path.dirname(folder)
             free = shutil.disk_usage(folder).free
             why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            raise BackendError(f"cannot write the parameter archive {param_path} ({why}; {free / 1e9:.2f} GB free "
-                               "there)") from None
+            raise BackendError(f"cannot write the parameter archive {param_path} ({why}; it needs {total / 1e9:.2f} GB, "
+                               f"{free / 1e9:.2f} GB free there)") from None
     finally:
         for fd in fds.values():
             os.close(fd)
