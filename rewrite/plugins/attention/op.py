@@ -359,7 +359,6 @@ class GroupedAttention(AbstractOp):
         if t.d not in CUDA_HEAD_SIZES:
             raise BackendError(f"GroupedAttention {op.where}: head size D={t.d}; the CUDA kernel takes {CUDA_HEAD_SIZES}")
         obj = ctx.object_path(build_cuda_ptx(kernel_source(__file__, "attention_cuda.cu"), ctx.cuda_arch))
-        kernel = f"grouped_attention_{t.el}_d{t.d}"
         dims = dispatch_dims
         # the grid: Hq, T (Q's dim 2), B (Q's dim 0); S is K's dim 2
         body = "\n".join(["    %c0 = arith.constant 0 : index", f"    %gx = arith.constant {t.hq} : index",
@@ -382,40 +381,36 @@ class GroupedAttention(AbstractOp):
         # one count of dispatch sites for both executables: no two launches share a ticket slot, whether the two
         # load as one module or as two
         body += _splits_mlir(ctx.next_site(CUDA_EXECUTABLE), t.d)
-        if t.rotary:
-            return self._rotary_cuda(op, t, obj, body, mask_arg, mask_type, new_args, new_types)
+        consts = "%t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32, %n32, %p32, %site32"
+        args = f"%in0, %in1, %in2, {mask_arg}, {new_args}"
+        types = f"{t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, {new_types}"
+        results, casts = "%y, %part", ""
+        exe, kernels, n_in, n_out, n_consts, kernel = CUDA_EXECUTABLE, CUDA_KERNELS, 7, 2, 12, f"grouped_attention_{t.el}_d{t.d}"
+        if t.rotary:  # cos, sin and the norm weights after the position; their strides, flags and epsilon last
+            eps_bits = struct.unpack("<i", struct.pack("<f", float(op.attrs.get("norm_epsilon", 0.0))))[0]
+            flags = int(t.q_weight is not None) | 2 * int(t.k_weight is not None)
+            body += "\n".join(["    %c1 = arith.constant 1 : index", f"    %cd = arith.constant {t.d} : index",
+                               *table_strides(op, 7, "c"), *table_strides(op, 8, "s"),
+                               f"    %rflags32 = arith.constant {flags} : i32", f"    %eps32 = arith.constant {eps_bits} : i32"]) + "\n"
+            weight = lambda k, x: (f"%in{k}", f"{x.builtin}{dims(k, x)}") if x is not None else ("%dummy", f"tensor<1x{t.el}>")  # noqa: E731
+            (qw, qw_type), (kw, kw_type) = weight(9, t.q_weight), weight(10, t.k_weight)
+            kn = t.new[0]
+            args += f", %in7, %in8, {qw}, {kw}"
+            types += f", {t.cos.builtin}{dims(7, t.cos)}, {t.sin.builtin}{dims(8, t.sin)}, {qw_type}, {kw_type}"
+            consts += ", %csb32, %cst32, %ssb32, %sst32, %rflags32, %eps32"
+            results += ", %kr"
+            casts = f"\n    %out1 = tensor.cast %kr : {kn.builtin} to {op.result_types[1].builtin}"
+            exe, kernels, n_in, n_out, n_consts = CUDA_ROTARY_EXECUTABLE, CUDA_ROTARY_KERNELS, 11, 3, 18
+            kernel = f"grouped_attention_rope_{t.el}_d{t.d}"
+        result_types = f"{t.q.builtin}{dims(0, t.q)}, tensor<?xf32>{{%np}}" + (f", {t.new[0].builtin}{dims(4, t.new[0])}" if t.rotary else "")
         body += f"""    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
     %nopos = arith.constant dense<0> : tensor<1xi64>
-    %y, %part = flow.dispatch @{CUDA_EXECUTABLE}::@{kernel}[%gxs, %gy, %gz](%in0, %in1, %in2, {mask_arg}, {new_args}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32, %n32, %p32, %site32) :
-        ({t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, {new_types}, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32)
-        -> ({t.q.builtin}{dims(0, t.q)}, tensor<?xf32>{{%np}})
-    %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}
+    {results} = flow.dispatch @{exe}::@{kernel}[%gxs, %gy, %gz]({args}, {consts}) :
+        ({types}, {", ".join(["i32"] * n_consts)})
+        -> ({result_types})
+    %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}{casts}
 """
-        return IreeLowering(body=body, module_items={CUDA_EXECUTABLE: cuda_executable_source(CUDA_EXECUTABLE, obj, CUDA_KERNELS, 7, 2, 12, CUDA_THREADS)})
-
-    def _rotary_cuda(self, op: TorchOperator, t: "_Operands", obj: str, body: str, mask_arg: str, mask_type: str,
-                     new_args: str, new_types: str) -> IreeLowering:
-        """:meth:`lower_iree_cuda` with the rotary inputs: ``body`` (the grid, constants and splits so far) and
-        the dispatch of ``grouped_attention_rope_<el>_d<D>``."""
-        dims = dispatch_dims
-        kernel = f"grouped_attention_rope_{t.el}_d{t.d}"
-        eps_bits = struct.unpack("<i", struct.pack("<f", float(op.attrs.get("norm_epsilon", 0.0))))[0]
-        flags = int(t.q_weight is not None) | 2 * int(t.k_weight is not None)
-        body += "\n".join(["    %c1 = arith.constant 1 : index", f"    %cd = arith.constant {t.d} : index",
-                           *table_strides(op, 7, "c"), *table_strides(op, 8, "s"),
-                           f"    %rflags32 = arith.constant {flags} : i32", f"    %eps32 = arith.constant {eps_bits} : i32"]) + "\n"
-        weight = lambda k, x: (f"%in{k}", f"{x.builtin}{dims(k, x)}") if x is not None else ("%dummy", f"tensor<1x{t.el}>")  # noqa: E731
-        (qw, qw_type), (kw, kw_type) = weight(9, t.q_weight), weight(10, t.k_weight)
-        kn = t.new[0]
-        body += f"""    %dummy = arith.constant dense<0.0> : tensor<1x{t.el}>
-    %y, %part, %kr = flow.dispatch @{CUDA_ROTARY_EXECUTABLE}::@{kernel}[%gxs, %gy, %gz](%in0, %in1, %in2, {mask_arg}, {new_args}, %in7, %in8, {qw}, {kw}, %t32, %s32, %hq32, %hkv32, %msb, %msh, %mst, %has32, %scale32, %n32, %p32, %site32, %csb32, %cst32, %ssb32, %sst32, %rflags32, %eps32) :
-        ({t.q.builtin}{dims(0, t.q)}, {t.k.builtin}{dims(1, t.k)}, {t.v.builtin}{dims(2, t.v)}, {mask_type}, {new_types}, {t.cos.builtin}{dims(7, t.cos)}, {t.sin.builtin}{dims(8, t.sin)}, {qw_type}, {kw_type}, {", ".join(["i32"] * 18)})
-        -> ({t.q.builtin}{dims(0, t.q)}, tensor<?xf32>{{%np}}, {kn.builtin}{dims(4, kn)})
-    %out0 = tensor.cast %y : {t.q.builtin} to {op.result_types[0].builtin}
-    %out1 = tensor.cast %kr : {kn.builtin} to {op.result_types[1].builtin}
-"""
-        return IreeLowering(body=body, module_items={CUDA_ROTARY_EXECUTABLE: cuda_executable_source(
-            CUDA_ROTARY_EXECUTABLE, obj, CUDA_ROTARY_KERNELS, 11, 3, 18, CUDA_THREADS)})
+        return IreeLowering(body=body, module_items={exe: cuda_executable_source(exe, obj, kernels, n_in, n_out, n_consts, CUDA_THREADS)})
 
 
 def _splits_mlir(site: int, d: int) -> str:

@@ -33,14 +33,15 @@
 // grouped_attention_rope_<el>_d<D> (the contract's rotary inputs): bindings q, k, v, mask, k_new, v_new, position,
 // cos, sin, q_norm_weight, k_norm_weight, then y, part and k_rot; push constants as above, then cos's and sin's
 // strides over B and T (csb, cst, ssb, sst: 0 where a table broadcasts), rope_flags (1: Q's norm, 2: K_new's) and
-// the norm epsilon's bits. Q's row and each K_new row are rotated as they are read, exactly as rope_cuda.cu's
-// rotary_row rotates them (the optional per-head RMSNorm first), and k_rot [B, Hkv, n, D] gets the rotated K_new
+// the norm epsilon's bits. Q's row and each K_new row are rotated as they are read, by the rope kernel's own
+// rotate_row (kernels/cuda_rope.h: the optional per-head RMSNorm first), and k_rot [B, Hkv, n, D] gets the rotated K_new
 // rows (n = T: new row r is rotated by the tables' row r), each written by the first split of its group's first
 // query head: what the cache stores.
 #include <cuda_fp16.h>
 #include <math_constants.h>
 #include <stdint.h>
 
+#include "../../kernels/cuda_rope.h"  // rotate_row (rope_cuda.cu's rotation)
 #include "../../kernels/cuda_rows.h"  // to_f, store, rounded
 
 #define THREADS 512  // CUDA_THREADS in op.py
@@ -78,35 +79,6 @@ struct Rotary {
   float eps;
 };
 
-// rope_cuda.cu's rotary_row on a row the warp holds (lane l: elements l * DL .. l * DL + DL - 1, D = 32 DL): the
-// optional RMSNorm over D (float32 inside, as Qwen3RMSNorm), then y = round(round(x * cos) + round(rotate_half(x) *
-// sin)), every step rounded to T as the ONNX ops it replaces; the partner d +- D/2 is in lane l ^ 16. ``cr``, ``sr``
-// and ``w``: this lane's part of the tables' row and of the weight (or null). The whole warp calls it.
-template <typename T, int DL>
-__device__ __forceinline__ void rotate_row(float* v, const T* cr, const T* sr, const T* w, float eps) {
-  const int lane = threadIdx.x & 31;
-  const T* like = cr;  // rounded() takes the type from a pointer
-  float c[DL], s[DL];
-#pragma unroll
-  for (int j = 0; j < DL; ++j) c[j] = to_f(cr[j]), s[j] = to_f(sr[j]);
-  if (w) {
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < DL; ++j) ss += v[j] * v[j];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float den = sqrtf(ss / (float)(32 * DL) + eps);
-#pragma unroll
-    for (int j = 0; j < DL; ++j) v[j] = rounded(rounded(v[j] / den, like) * to_f(w[j]), like);
-  }
-#pragma unroll
-  for (int j = 0; j < DL; ++j) {
-    const float partner = __shfl_xor_sync(0xffffffffu, v[j], 16);
-    const float rot = lane < 16 ? -partner : partner;
-    v[j] = rounded(rounded(v[j] * c[j], like) + rounded(rot * s[j], like), like);
-  }
-}
-
 #define ATTN_SITES 1024  // CUDA_SPLIT_SITES in op.py: dispatch sites of a module that may split
 #define ATTN_ROWS 128    // CUDA_SPLIT_ROWS in op.py: query rows (B * Hq * T) of a launch that splits
 __device__ unsigned attn_tickets[ATTN_SITES][ATTN_ROWS];
@@ -131,7 +103,7 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
   // with the rotary inputs: the table rows of query row t (and of new row r = t)
   const T* crow = rope.cos ? rope.cos + (size_t)b * rope.csb + (size_t)t * rope.cst + lane * DL : nullptr;
   const T* srow = rope.cos ? rope.sin + (size_t)b * rope.ssb + (size_t)t * rope.sst + lane * DL : nullptr;
-  if (rope.cos) rotate_row<T, DL>(qr, crow, srow, rope.q_weight ? rope.q_weight + lane * DL : nullptr, rope.eps);
+  if (rope.cos) rotate_row<DL>(qr, crow, srow, rope.q_weight ? rope.q_weight + lane * DL : nullptr, rope.eps);
 #pragma unroll
   for (int j = 0; j < DL; ++j) acc[j] = 0.f;
   const T* kb = k + (size_t)(b * Hkv + kvh) * S * D + lane * DL;
@@ -148,7 +120,7 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
   if (rope.cos && z == 0 && h % (Hq / Hkv) == 0 && warp == 0) {  // new row t of this K/V head, rotated, for the cache
     float kr0[DL];
     load_row<DL>(knb + (size_t)t * D, kr0);
-    rotate_row<T, DL>(kr0, crow, srow, kw, rope.eps);
+    rotate_row<DL>(kr0, crow, srow, kw, rope.eps);
     T* out = rope.k_rot + ((size_t)(b * Hkv + kvh) * n_new + t) * D + lane * DL;
 #pragma unroll
     for (int j = 0; j < DL; ++j) store(out + j, kr0[j]);
@@ -182,7 +154,7 @@ __device__ void grouped_attention(const T* q, const T* k, const T* v, const T* m
           if (u >= n) break;
           const unsigned r = (unsigned)(base + stride * lanes[u] - p);
           if (r < (unsigned)n_new)
-            rotate_row<T, DL>(kr[u], rope.cos + (size_t)b * rope.csb + (size_t)r * rope.cst + lane * DL,
+            rotate_row<DL>(kr[u], rope.cos + (size_t)b * rope.csb + (size_t)r * rope.cst + lane * DL,
                               rope.sin + (size_t)b * rope.ssb + (size_t)r * rope.sst + lane * DL, kw, rope.eps);
         }
       }

@@ -15,7 +15,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "../../kernels/cuda_rows.h"  // to_f, store, rounded
+#include "../../kernels/cuda_rope.h"  // rotate_row
+#include "../../kernels/cuda_rows.h"  // to_f, store
 
 #define WARPS 8  // CUDA_WARPS in op.py
 
@@ -29,25 +30,12 @@ __device__ void rotary_row(const T* x, const T* cos, const T* sin, const T* weig
   float v[DL];
 #pragma unroll
   for (int j = 0; j < DL; ++j) v[j] = to_f(xr[j]);
-  if (has_norm) {
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < DL; ++j) ss += v[j] * v[j];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float den = sqrtf(ss / (float)D + eps);
-#pragma unroll
-    for (int j = 0; j < DL; ++j) v[j] = rounded(rounded(v[j] / den, x) * to_f(weight[lane * DL + j]), x);
-  }
   const T* cr = cos + (size_t)b * csb + (size_t)t * cst + lane * DL;
   const T* sr = sin + (size_t)b * ssb + (size_t)t * sst + lane * DL;
+  rotate_row<DL>(v, cr, sr, has_norm ? weight + lane * DL : nullptr, eps);
   T* yr = y + (size_t)row * D + lane * DL;
 #pragma unroll
-  for (int j = 0; j < DL; ++j) {
-    const float partner = __shfl_xor_sync(0xffffffffu, v[j], 16);
-    const float rot = lane < 16 ? -partner : partner;
-    store(yr + j, rounded(v[j] * to_f(cr[j]), x) + rounded(rot * to_f(sr[j]), x));
-  }
+  for (int j = 0; j < DL; ++j) store(yr + j, v[j]);
 }
 
 // rotary_embedding_<el>_d<D>: one X. rotary_embedding2_<el>_d<D>: two (Q and K of a layer: one launch), bindings
