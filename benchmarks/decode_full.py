@@ -25,7 +25,9 @@ same and writes only the ``.irpa``), loads the folder and measures:
 * tokens: ``CHECK_TOKENS`` greedy tokens after the prompt's first ``CHECK_PROMPT`` tokens, against ONNX Runtime CPU
   on the quantized model (``--plugins quant4`` only, the model every configuration computes; its seed-form experts
   are gathered then dequantized per token, so a 128-token prefill would take minutes there), and the teacher-forced
-  logits of those steps against the reference's (:func:`compare_logits`);
+  logits of those steps against the reference's (:func:`compare_logits`); with ``reference-fp32`` (the same quantized
+  model with every fp16 tensor widened to float32, on ONNX Runtime CPU: :func:`_reference_fp32`) also against its
+  logits, and the fp16 reference itself against them, which tells fp16 rounding on a near tie from a wrong graph;
 * the per-kernel GPU time of ``PROFILE_STEPS`` more decode steps (:func:`kernel_profile`); the table's "GPU us/token"
   is their sum and "launches" their count per token: the rest of a step's wall time is the host's (launches,
   the runtime's bookkeeping, the logits' copy and argmax); and their timeline (:func:`timeline`: whether the GPU
@@ -106,6 +108,8 @@ CONFIGS = {
     "ort": ("ort", "quant4,cast,kv,topk,moe", ()),
 }
 REFERENCE_PLUGINS = "quant4"
+#: the references' files: ONNX Runtime CPU on the quantized model, and on its float32 twin (``reference-fp32``)
+REFERENCE_FILES = ("reference.json", "reference_logits.npy", "reference-fp32.json", "reference_fp32_logits.npy")
 _ORT_TARGET = {"cuda": "cuda", "llvm-cpu": "cpu"}  #: the ort target beside an iree one
 COMPILED_FILES = ("manifest.json", "params.json", "model.vmfb", "compile.log")
 
@@ -139,8 +143,8 @@ def prepare(arch: str, out: Path, work: Path, max_seq: int, reference: bool = Fa
     (out / "bundle.json").write_text(json.dumps({"arch": arch, "max_seq": max_seq, "layers": layers, "target": target,
                                                 "configs": CONFIGS}, indent=1) + "\n")
     if reference and not (out / "reference.json").exists():
-        run(out, work, ["reference"], None)
-        for f in ("reference.json", "reference_logits.npy"):
+        run(out, work, ["reference", "reference-fp32"], None)
+        for f in REFERENCE_FILES:
             shutil.copyfile(work / "results" / f, out / f)
     for name in configs or [n for n, (backend, _, _) in CONFIGS.items() if backend == "iree"]:
         backend, plugins, more = CONFIGS[name]
@@ -383,20 +387,62 @@ def timeline(prof, steps: int, wall_s: float) -> dict:
     return line
 
 
-def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | None, width: int | None = None,
+def _references(results: Path) -> dict[str, dict]:
+    """The teacher-forced checks to make, ``{result key: {"tokens", "logits"}}``: ``check_logits`` against the
+    reference (ONNX Runtime CPU on the quantized fp16 model) and ``check_logits_fp32`` against its float32 twin,
+    each where ``results`` holds it."""
+    out = {}
+    for key, meta, logits in (("check_logits", "reference.json", "reference_logits.npy"),
+                              ("check_logits_fp32", "reference-fp32.json", "reference_fp32_logits.npy")):
+        if (results / logits).exists():
+            out[key] = {"tokens": json.loads((results / meta).read_text())["check_tokens"],
+                        "logits": np.load(results / logits)}
+    return out
+
+
+def _reference_fp32(seed: Path, folder: Path, prompt: list[int], results: Path) -> dict:
+    """The float32 reference: the reference's quantized model (``--plugins quant4``) with every fp16 tensor
+    widened to float32 (:func:`rewrite.core.widen.widen_float16`: the same weights, without fp16's rounding of each
+    intermediate) on ONNX Runtime CPU. Its greedy tokens after ``prompt`` and their logits
+    (``reference_fp32_logits.npy`` in ``results``), and, where ``results`` holds the fp16 reference, that
+    reference's own teacher-forced check against it (``check_logits_fp32``: how far ONNX Runtime CPU's fp16 is from
+    the same model computed in float32). The weights stay in their memory-mapped files (``low_memory``)."""
+    from rewrite.core.widen import widen_float16
+    from rewrite.generate import Generator
+
+    _rewrite("apply", str(seed), "--plugins", REFERENCE_PLUGINS, "--backend", "ort", "-o", str(folder))
+    t0 = time.perf_counter()
+    wide = widen_float16(folder / "model.onnx", folder / "fp32" / "model.onnx")
+    print(f"  widened to float32: {time.perf_counter() - t0:.0f} s", flush=True)
+    gen = Generator.reference(wide, low_memory=True)
+    res = _timed_generate(gen.step, prompt, CHECK_TOKENS)
+    logits = res.pop("logits")
+    np.save(results / "reference_fp32_logits.npy", logits)
+    res["check_tokens"] = res["tokens"]
+    res["host"] = f"{platform.node()}, {os.cpu_count()} cores"
+    del gen
+    shutil.rmtree(wide.parent)
+    if (results / "reference_logits.npy").exists():
+        gen = Generator.reference(folder / "model.onnx", low_memory=True)
+        res["check_logits_fp32"] = compare_logits(gen.step, prompt, res["tokens"], logits, None)
+    return res
+
+
+def _measure(step, reset, prompt: list[int], profile: bool, references: dict[str, dict], width: int | None = None,
              decode=None, prefill_token=None) -> dict:
     """The token check (``CHECK_TOKENS`` after ``prompt[:CHECK_PROMPT]``; also the warm-up: first calls load
-    kernels and allocate), the teacher-forced logits check against ``reference`` (:func:`compare_logits`), the
-    timed generation on ``prompt``, then the kernel profile; ``reset()`` before each.
+    kernels and allocate), the teacher-forced logits check against each of ``references`` (:func:`compare_logits`;
+    ``{result key: {"tokens", "logits"}}``, :func:`_references`), the timed generation on ``prompt``, then the
+    kernel profile; ``reset()`` before each.
 
     With ``decode`` (``Generator.decode`` of a folder that decodes on the device): the token check and the timed
     generation are made both ways, the host's argmax loop first (``host_loop_decode_tok_s``,
     ``host_loop_tokens_equal``), and the profile is of the device's loop."""
     check = _timed_generate(step, prompt[:CHECK_PROMPT], CHECK_TOKENS, width)
-    compared = None
-    if reference is not None:
+    compared = {}
+    for key, ref in references.items():
         reset()
-        compared = compare_logits(step, prompt[:CHECK_PROMPT], reference["tokens"], reference["logits"], width)
+        compared[key] = compare_logits(step, prompt[:CHECK_PROMPT], ref["tokens"], ref["logits"], width)
     reset()
     res = _timed_generate(step, prompt, DECODE_STEPS, width)
     del res["logits"]
@@ -419,22 +465,23 @@ def _measure(step, reset, prompt: list[int], profile: bool, reference: dict | No
             res["host_loop_prefill_tok_s"] = host["prefill_tok_s"]
             res["host_loop_tokens_equal"] = host["tokens"] == res["tokens"] and check["tokens"] == check_device["tokens"]
             check = check_device
-    res["check_tokens"], res["check_logits"] = check["tokens"], compared
+    res["check_tokens"] = check["tokens"]
+    res.update(compared)
     if profile:
         res["profile"], res["timeline"] = kernel_profile(step, res["tokens"][-1], decode=decode)
     return res
 
 
-def _measure_folder(folder: Path, prompt: list[int], reference: dict | None, profile: bool = True) -> dict:
+def _measure_folder(folder: Path, prompt: list[int], references: dict[str, dict], profile: bool = True) -> dict:
     from rewrite.generate import Generator
 
     gen = Generator(folder, low_memory=False, device_decode=True)  # (on llvm-cpu too: both loops measured)
-    return _measure(gen.step, gen.reset, prompt, profile, reference, gen.fixed_width,
+    return _measure(gen.step, gen.reset, prompt, profile, references, gen.fixed_width,
                     gen.decode if gen.decodes_on_device else None,
                     gen.prefill_token if gen.decodes_on_device else None)
 
 
-def _measure_ort(folder: Path, prompt: list[int], reference: dict | None, device: str = "cuda") -> dict:
+def _measure_ort(folder: Path, prompt: list[int], references: dict[str, dict], device: str = "cuda") -> dict:
     """ONNX Runtime on the folder's model with the KV cache kept on ``device`` ("cuda": the CUDA execution provider;
     "cpu": the CPU one) between steps (IO binding)."""
     import onnxruntime as ort
@@ -471,7 +518,7 @@ def _measure_ort(folder: Path, prompt: list[int], reference: dict | None, device
         state["position"] += ids.shape[1]
         return outs[iface.logits].numpy()
 
-    return _measure(step, lambda: state.update(past=fresh(), position=0), prompt, device == "cuda", reference)
+    return _measure(step, lambda: state.update(past=fresh(), position=0), prompt, device == "cuda", references)
 
 
 def _measure_torch(arch: str, prompt: list[int], max_seq: int, layers: int | None) -> dict:
@@ -507,7 +554,7 @@ def _measure_torch(arch: str, prompt: list[int], max_seq: int, layers: int | Non
         cache["pkv"] = out.past_key_values
         return out.logits[:, -1:].float().cpu().numpy()
 
-    res = _measure(step, cache.clear, prompt, True, None)
+    res = _measure(step, cache.clear, prompt, True, {})
     res["transformers"] = transformers.__version__
     del model
     torch.cuda.empty_cache()
@@ -546,14 +593,11 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None, iree_
         seeded_weights.regenerate(seed, threads=threads)
         print(f"  regenerated the seed form's weights: {time.perf_counter() - t0:.0f} s", flush=True)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab, PROMPT_LEN).tolist()
-    for f in ("reference.json", "reference_logits.npy"):  # computed by prepare --reference
+    for f in REFERENCE_FILES:  # computed by prepare --reference
         if (bundle / f).exists() and not (results / f).exists():
             shutil.copyfile(bundle / f, results / f)
     for name in configs:
-        reference = None
-        if (results / "reference_logits.npy").exists():
-            reference = {"tokens": json.loads((results / "reference.json").read_text())["check_tokens"],
-                         "logits": np.load(results / "reference_logits.npy")}
+        references = _references(results)
         out = results / (f"{name}.{label}.json" if label else f"{name}.json")
         if out.exists():
             continue
@@ -571,6 +615,8 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None, iree_
             np.save(results / "reference_logits.npy", res.pop("logits"))
             res["check_tokens"] = res["tokens"]
             res["host"] = f"{platform.node()}, {os.cpu_count()} cores"
+        elif name == "reference-fp32":
+            res = _reference_fp32(seed, folder, prompt[:CHECK_PROMPT], results)
         elif name == "torch":
             res = _measure_torch(arch, prompt, max_seq, layers)
         elif name == "bandwidth":
@@ -583,8 +629,8 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None, iree_
                 args += ["--stateful", "--module-from", str(bundle / name)]
             if not reuse:
                 _rewrite(*args, "-o", str(folder))
-            res = (_measure_ort(folder, prompt, reference, _ORT_TARGET[target]) if backend == "ort"
-                   else _measure_folder(folder, prompt, reference, profile=target == "cuda"))
+            res = (_measure_ort(folder, prompt, references, _ORT_TARGET[target]) if backend == "ort"
+                   else _measure_folder(folder, prompt, references, profile=target == "cuda"))
         if not keep:
             shutil.rmtree(folder, ignore_errors=True)
         res["wall_s"] = time.perf_counter() - t0
@@ -614,12 +660,27 @@ def _logits_summary(c: dict | None) -> tuple[str, bool]:
             f"decided by more than twice the difference, {sum(decisive)} of them equal"), ok
 
 
+def _first_difference(tokens: list[int], ref: list[int]) -> str:
+    first = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), None)
+    return "tokens equal" if first is None else f"tokens differ from token {first}"
+
+
 def report(work: Path, cfg) -> int:
     """Print the table of ``work/results``; exit status 1 when a configuration with the fusing plugins gives other
     tokens than the reference and its teacher-forced logits are not within the fp16 tolerance either (greedy tokens
-    of a random-weight model can differ where its top two logits are closer than fp16 rounding)."""
+    of a random-weight model can differ where its top two logits are closer than fp16 rounding). With the float32
+    reference (``reference-fp32``) the second condition is instead: its logits are farther from the float32
+    reference's than twice the fp16 reference's own distance from it (and than the fp16 tolerance), i.e. less
+    exact than ONNX Runtime CPU's fp16 by more than a factor of two."""
+    import onnx
+
+    from rewrite.verify import REL_TOL
+
     res = {p.stem: json.loads(p.read_text()) for p in (work / "results").glob("*.json")}
     ref = res.get("reference", {}).get("check_tokens")
+    ref32 = res.get("reference-fp32", {})
+    ref16_vs_32 = ref32.get("check_logits_fp32")
+    bound32 = max(REL_TOL[onnx.TensorProto.FLOAT16], 2 * max(ref16_vs_32["max_rel"])) if ref16_vs_32 else None
     bw = res.get("bandwidth", {}).get("copy_bytes_per_s")
     nbytes = decode_bytes(cfg, PROMPT_LEN + DECODE_STEPS // 2)["total"]
     if bw:
@@ -639,14 +700,25 @@ def report(work: Path, cfg) -> int:
         elif ref is None:
             check = "no reference"
         else:
-            first = next((i for i, (a, b) in enumerate(zip(r["check_tokens"], ref)) if a != b), None)
             logits, ok = _logits_summary(r.get("check_logits"))
-            check = ("tokens equal" if first is None else f"tokens differ from token {first}") + logits
-            if first is not None and not ok and name != "iree-plain":
+            check = _first_difference(r["check_tokens"], ref) + logits
+            c32 = r.get("check_logits_fp32")
+            if c32 and bound32 is not None:
+                ok = max(c32["max_rel"]) <= bound32
+                check += (f"; against float32: {_first_difference(r['check_tokens'], ref32['check_tokens'])}, "
+                          f"max rel. diff {max(c32['max_rel']):.1e} ({'within' if ok else 'beyond'} {bound32:.1e}), "
+                          f"top-1 equal {sum(c32['top1_equal'])}/{len(c32['top1_equal'])}")
+            if check.startswith("tokens differ") and not ok and name != "iree-plain":
                 status = 1
         prof = r.get("profile") or []
         gpu = f"{sum(k['us_per_token'] for k in prof):13.0f} {sum(k['launches_per_token'] for k in prof):9.0f}" if prof else f"{'':13} {'':9}"
         print(f"{name:<16} {r['prefill_tok_s']:14.0f} {r['decode_tok_s']:13.1f} {light} {gpu}  {check}")
+    if ref16_vs_32:
+        c = ref16_vs_32
+        print(f"float32 reference (the quantized model widened, ONNX Runtime CPU): tokens {ref32['check_tokens']}; the "
+              f"reference{' (' + _first_difference(ref, ref32['check_tokens']) + ')' if ref else ''} against it: max rel. "
+              f"diff {max(c['max_rel']):.1e}, top-1 equal {sum(c['top1_equal'])}/{len(c['top1_equal'])}, its margins "
+              + ", ".join(f"{m:.1e}" for m in c["margin"]))
     lines = [(n, r["timeline"]) for n, r in res.items() if r.get("timeline")]
     if lines:
         print("per profiled token (CUPTI activity times): wall, GPU span first start to last end, GPU busy, gaps between activities")
@@ -684,7 +756,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work", type=Path, default=None, help="where the seed form and compiled folders go (default OUT.work)")
     p.add_argument("--max-seq", type=int, default=MAX_SEQ)
-    p.add_argument("--reference", action="store_true", help="also decode the reference tokens here (ONNX Runtime CPU)")
+    p.add_argument("--reference", action="store_true",
+                   help="also decode the reference tokens here (ONNX Runtime CPU, fp16 and the float32 twin)")
     p.add_argument("--layers", type=int, default=None, help="this many decoder layers of the real shapes (a smaller model)")
     p.add_argument("--configs", default=None, help="comma list of the IREE configurations to compile (default: all)")
     p.add_argument("--target", choices=("cuda", "llvm-cpu"), default="cuda",
@@ -696,7 +769,8 @@ def main() -> int:
     r.add_argument("--label", default=None, help="results as NAME.LABEL (a configuration under other --iree-flags)")
     r.add_argument("--keep", action="store_true", help="keep the applied IREE folders in --work and reuse them")
     r.add_argument("--configs", default="bandwidth,reference,iree,ort,torch,iree-plain",
-                   help="comma list of bandwidth, reference, iree, iree-plain, ort, torch (in this order by default)")
+                   help="comma list of bandwidth, reference, reference-fp32, the IREE configurations, ort, torch "
+                        "(bandwidth, reference, iree, ort, torch, iree-plain by default)")
     r.add_argument("--threads", type=int, default=None, help="threads regenerating the weights (default: every core)")
     r.add_argument("--seed-dir", type=Path, default=None,
                    help="where the seed form's weights are regenerated (default WORK/seed; e.g. /dev/shm/seed)")

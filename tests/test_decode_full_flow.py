@@ -42,3 +42,24 @@ def test_prepare_then_run_with_the_seed_elsewhere(decode_full, tmp_path):
     assert len(ref["check_tokens"]) == len(plain["check_tokens"]) == 3
     assert len(plain["tokens"]) == 6 and plain["decode_tok_s"] > 0
     assert not (work / "iree-plain.measured").exists()  # each folder deleted once measured
+
+
+@pytest.mark.slow
+def test_the_float32_reference_checks_the_reference_and_every_configuration(decode_full, tmp_path, capsys):
+    bundle, work = tmp_path / "bundle", tmp_path / "run"
+    decode_full.prepare("qwen2_moe", bundle, tmp_path / "prep", 64, target="llvm-cpu", configs=["ort"])
+    status = decode_full.run(bundle, work, ["reference", "reference-fp32", "ort"], threads=1)
+    assert status == 0
+    results = work / "results"
+    ref32 = json.loads((results / "reference-fp32.json").read_text())
+    ort_cpu = json.loads((results / "ort.json").read_text())
+    assert len(ref32["check_tokens"]) == 3 and (results / "reference_fp32_logits.npy").is_file()
+    # the fp16 reference and ONNX Runtime CPU on the lowered graph, each teacher-forced against the float32 twin:
+    # the tiny model's logits are far from ties, so fp16 rounding moves them by well under 1% and no token
+    for c in (ref32["check_logits_fp32"], ort_cpu["check_logits_fp32"]):
+        assert len(c["max_rel"]) == 3 and 0 < max(c["max_rel"]) < 1e-2 and all(c["top1_equal"])
+    assert 0 < max(ort_cpu["check_logits"]["max_rel"]) < 1e-2
+    assert not (work / "reference-fp32.measured" / "fp32").exists()
+    out = capsys.readouterr().out
+    assert "float32 reference (the quantized model widened, ONNX Runtime CPU)" in out
+    assert "against float32: tokens equal" in out
