@@ -79,7 +79,9 @@ def _widen_graph(g: onnx.GraphProto, where: str) -> list[onnx.TensorProto]:
 
 def widen_float16(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Write ``dst``, the float32 twin of the ONNX model ``src`` (see the module docstring), with its external data
-    in ``<dst name>.data`` beside it.
+    in ``<dst name>.data`` beside it. In ``src``'s own folder only the widened tensors are written there: every other
+    external tensor stays where it is, read through its location as before (a full-size model's INT4 experts are
+    not copied); elsewhere every external tensor is copied into the new file.
 
     Args:
         src: an ONNX file; its external data (relative to its folder) is read one tensor at a time.
@@ -107,6 +109,10 @@ def widen_float16(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
                     _widen_inline(a.t)
     dst.parent.mkdir(parents=True, exist_ok=True)
     data = dst.with_name(dst.name + ".data")
+    if dst.parent.resolve() == src.parent.resolve():
+        if any(spill.external_info(t)[0] == data.name for t in streamed):
+            raise RewriteError(f"{src}: its external data file {data.name} is where the float32 twin's would go")
+        streamed = [t for t in streamed if t.data_type == F16]
     # the float16 tensors get new float32 data; every other external tensor is copied into the same new file
     pos = 0
     with open(data, "wb") as out:
