@@ -89,7 +89,8 @@ class SeedConfig:
 
     ``qk_norm``: RMSNorm (weight ``[head_dim]``) of every query and key head before RoPE (Qwen3); ``attn_bias``:
     q/k/v projections with biases (Qwen1.5-MoE); ``norm_topk``: the top-k weights divided by their sum (Qwen3's
-    ``norm_topk_prob``); ``shared_intermediate`` 0: no shared expert (Qwen3).
+    ``norm_topk_prob``); ``shared_intermediate`` 0: no shared expert (Qwen3). ``router_std``: the std of the seeded
+    router weights (`export_seeded`; ``seeded_weights`` module docstring).
     """
 
     dtype: str = "fp32"
@@ -108,6 +109,7 @@ class SeedConfig:
     qk_norm: bool = False
     attn_bias: bool = True
     norm_topk: bool = False
+    router_std: float = seeded_weights.ROUTER_STD
 
     @property
     def np_dtype(self) -> type:
@@ -138,13 +140,20 @@ ARCHS: dict[str, dict] = {
                       norm_topk=True),
 }
 
+#: the seeded router weights' std at full size: router logits of std about 2.3 (0.05 x sqrt(2048)). The toy std
+#: (0.5: logits of std 22.6 at hidden 2048) saturates the softmax, and fp16 rounding then moved Qwen1.5-MoE's
+#: top-2 expert weights by up to 0.43 (e.g. 0.47/0.39 in float32, 0.90/0.07 in fp16): ONNX Runtime CPU's fp16
+#: greedy tokens left those of the same model in float32 at the second token (BENCHMARKS.md)
+FULL_ROUTER_STD = 0.05
 #: the real configurations (Hugging Face config.json of Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B), static
 #: cache of 256 positions
 FULL: dict[str, dict] = {
     "qwen2_moe": dict(hidden=2048, layers=24, heads=16, kv_heads=16, head_dim=128, experts=60, top_k=4,
-                      moe_intermediate=1408, shared_intermediate=5632, vocab=151936, max_seq=256),
+                      moe_intermediate=1408, shared_intermediate=5632, vocab=151936, max_seq=256,
+                      router_std=FULL_ROUTER_STD),
     "qwen3_moe": dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
-                      moe_intermediate=768, shared_intermediate=0, vocab=151936, max_seq=256),
+                      moe_intermediate=768, shared_intermediate=0, vocab=151936, max_seq=256,
+                      router_std=FULL_ROUTER_STD),
 }
 
 
@@ -654,7 +663,7 @@ def export_seeded(arch: str, out_dir: str | Path, *, dtype: str = "fp16", seed: 
     out_dir.mkdir(parents=True, exist_ok=True)
     path, data = out_dir / "model.onnx", out_dir / "model.onnx.data"
     slots = seeded_slots(cfg)
-    seeded_weights.write(data, slots, seed, threads=threads, progress=progress)
+    seeded_weights.write(data, slots, seed, threads=threads, progress=progress, router_std=cfg.router_std)
     b = _GraphBuilder()
     for slot in slots:
         tensor = TensorProto(name=slot.name, data_type=slot.elem_type, dims=slot.shape,
@@ -664,7 +673,7 @@ def export_seeded(arch: str, out_dir: str | Path, *, dtype: str = "fp16", seed: 
         b.initializers.append(tensor)
     model = _build_graph(b, cfg)
     model.graph.name = f"seed_form_{arch}"
-    helper.set_model_props(model, {seeded_weights.METADATA_KEY: seeded_weights.metadata(seed, {})})
+    helper.set_model_props(model, {seeded_weights.METADATA_KEY: seeded_weights.metadata(seed, {}, cfg.router_std)})
     onnx.save(model, str(path))
     return path
 
@@ -897,7 +906,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="full: writer threads (default: every core)")
     parser.add_argument("--layers", type=int, default=None,
                         help="full: this many decoder layers instead of the real count (the real layer shapes, less weight)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=NUMBER",
                         help="full: a SeedConfig field instead of the real one (repeatable; e.g. experts=8 keeps the real "
                              "attention and KV cache shapes with little expert weight)")
     parser.add_argument("--steps", type=int, default=6)
@@ -907,9 +916,13 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = {**FULL[args.arch], **({"layers": args.layers} if args.layers else {})}
         for item in args.set:
             key, _, value = item.partition("=")
-            if key not in FULL[args.arch] or not value.lstrip("-").isdigit():
-                parser.error(f"--set {item}: FIELD=INT with FIELD one of {', '.join(FULL[args.arch])}")
-            sizes[key] = int(value)
+            kind = type(FULL[args.arch].get(key))
+            try:
+                sizes[key] = kind(value) if kind in (int, float) else None
+            except ValueError:
+                sizes[key] = None
+            if sizes[key] is None:
+                parser.error(f"--set {item}: FIELD=NUMBER with FIELD one of {', '.join(FULL[args.arch])}")
         path = export_seeded(args.arch, args.out, dtype=args.dtype, seed=args.seed, threads=args.threads, **sizes)
         data = path.parent / "model.onnx.data"
         report = {"path": str(path), "data_bytes": data.stat().st_size,

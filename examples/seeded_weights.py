@@ -12,7 +12,10 @@ Values (``init_kind`` picks by name, in the spirit of transformers' ``_init_weig
 
 - norm weights (``*norm.weight``, ``*layernorm.weight``): 1.0;
 - router weights (``*.mlp.gate.weight``): uniform with std 0.5 (`ROUTER_STD`): a router at the default std routes by
-  rounding noise, and runtimes then disagree on the selection;
+  rounding noise, and runtimes then disagree on the selection. An exporter may draw them with another std
+  (``router_std``, recorded in the metadata so that `regenerate` draws the same): the router's logits have about
+  std ``router_std x sqrt(hidden)`` (its input is RMS-normalized), so a std that keeps a small model's choices
+  decisive saturates a full-size model's softmax, where fp16 rounding then moves the experts' weights;
 - INT4 weights in the seed's form (``*.qweight`` UINT8 codes, ``*.zero_points`` UINT8, ``*.scales`` float; see
   ``examples/seed_form.py``): codes uniform in 0..15, zero points uniform in 7..8 (mean 7.5, the codes' mean, so the
   weights have mean 0 and no common offset builds up in the residual stream across layers), scales uniform in
@@ -91,10 +94,10 @@ def layout(tensors: Iterable[tuple[str, Sequence[int], int]], *, align: int = AL
     return slots
 
 
-def init_kind(name: str) -> tuple[str, float]:
+def init_kind(name: str, router_std: float = ROUTER_STD) -> tuple[str, float]:
     """How the tensor ``name`` is drawn (see the module docstring): ``("ones", 1.0)`` for norm weights, ``("codes",
     0)`` and ``("zero_points", 0)`` for INT4 codes and zero points, ``("scales", mean)`` for their scales, else
-    ``("uniform", std)``: `ROUTER_STD` for router weights, `WEIGHT_STD` otherwise."""
+    ``("uniform", std)``: ``router_std`` for router weights, `WEIGHT_STD` otherwise."""
     if name.endswith("norm.weight"):
         return "ones", 1.0
     if name.endswith(".qweight"):
@@ -104,7 +107,7 @@ def init_kind(name: str) -> tuple[str, float]:
     if name.endswith(".scales"):
         return "scales", WEIGHT_STD / _CODE_STD
     if name.endswith("mlp.gate.weight"):
-        return "uniform", ROUTER_STD
+        return "uniform", router_std
     return "uniform", WEIGHT_STD
 
 
@@ -124,10 +127,10 @@ def _encode(values: np.ndarray, elem_type: int) -> bytes:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
 
 
-def tensor_chunks(seed: int, slot: TensorSlot) -> Iterable[bytes]:
+def tensor_chunks(seed: int, slot: TensorSlot, router_std: float = ROUTER_STD) -> Iterable[bytes]:
     """The bytes of ``slot``'s tensor, in chunks of at most `CHUNK` elements (no padding)."""
     count = slot.length // _ITEMSIZE[slot.elem_type]
-    kind, std = init_kind(slot.name)
+    kind, std = init_kind(slot.name, router_std)
     gen = _generator(seed, slot.name)
     half_width = np.float32(std * math.sqrt(3.0))  # uniform(-a, a) has std a / sqrt(3)
     buf = np.empty(min(CHUNK, max(count, 1)), np.float32)
@@ -154,10 +157,10 @@ def tensor_chunks(seed: int, slot: TensorSlot) -> Iterable[bytes]:
         done += n
 
 
-def tensor_values(seed: int, slot: TensorSlot) -> np.ndarray:
+def tensor_values(seed: int, slot: TensorSlot, router_std: float = ROUTER_STD) -> np.ndarray:
     """``slot``'s tensor as a numpy array (float32, or uint8 for UINT8 slots; small tensors and tests: the whole
     tensor is in memory)."""
-    raw = b"".join(tensor_chunks(seed, slot))
+    raw = b"".join(tensor_chunks(seed, slot, router_std))
     if slot.elem_type == onnx.TensorProto.UINT8:
         return np.frombuffer(raw, np.uint8).reshape(slot.shape)
     if slot.elem_type == onnx.TensorProto.FLOAT:
@@ -168,7 +171,7 @@ def tensor_values(seed: int, slot: TensorSlot) -> np.ndarray:
 
 
 def write(path: str | os.PathLike, slots: Sequence[TensorSlot], seed: int, *, threads: int | None = None,
-          progress=None, derived: dict[str, Sequence] | None = None) -> int:
+          progress=None, derived: dict[str, Sequence] | None = None, router_std: float = ROUTER_STD) -> int:
     """Write every slot's tensor into ``path`` at its offset (the file is created, or emptied, at the layout's size;
     bytes outside the slots are zero). Tensors are written in parallel, each by one thread in `CHUNK` pieces, so
     memory stays at a few chunks per thread.
@@ -176,6 +179,7 @@ def write(path: str | os.PathLike, slots: Sequence[TensorSlot], seed: int, *, th
     Args:
         progress: called with each slot's byte length once it is written (e.g. a progress bar's advance).
         derived: slots made from a parameter rather than by name: ``{name: (parameter, perm)}`` (see `metadata`).
+        router_std: the router weights' std (the module docstring; record it with `metadata`).
 
     Returns:
         The file size in bytes.
@@ -190,7 +194,8 @@ def write(path: str | os.PathLike, slots: Sequence[TensorSlot], seed: int, *, th
         def one(slot: TensorSlot) -> None:
             pos = slot.offset
             recipe = (derived or {}).get(slot.name)
-            chunks = tensor_chunks(seed, slot) if recipe is None else _derived_chunks(seed, slot, *recipe)
+            chunks = (tensor_chunks(seed, slot, router_std) if recipe is None
+                      else _derived_chunks(seed, slot, *recipe, router_std=router_std))
             for chunk in chunks:
                 os.pwrite(fd, chunk, pos)
                 pos += len(chunk)
@@ -252,18 +257,23 @@ def external_slots(model: onnx.ModelProto) -> dict[str, list[TensorSlot]]:
     return by_file
 
 
-def metadata(seed: int, derived: dict[str, tuple[str, Sequence[int]]]) -> str:
-    """The model metadata value (under `METADATA_KEY`) that `regenerate` reads: the seed, and for each initializer
-    the exporter derived from a parameter (a transposed weight its optimizer folded) the parameter's name and the
-    permutation: ``initializer == parameter.transpose(perm)``."""
-    return json.dumps({"seed": seed, "derived": {k: [src, list(perm)] for k, (src, perm) in sorted(derived.items())}})
+def metadata(seed: int, derived: dict[str, tuple[str, Sequence[int]]], router_std: float = ROUTER_STD) -> str:
+    """The model metadata value (under `METADATA_KEY`) that `regenerate` reads: the seed, for each initializer the
+    exporter derived from a parameter (a transposed weight its optimizer folded) the parameter's name and the
+    permutation (``initializer == parameter.transpose(perm)``), and the router weights' std when it is not
+    `ROUTER_STD` (a model recorded without one was drawn with `ROUTER_STD`)."""
+    out = {"seed": seed, "derived": {k: [src, list(perm)] for k, (src, perm) in sorted(derived.items())}}
+    if router_std != ROUTER_STD:
+        out["router_std"] = router_std
+    return json.dumps(out)
 
 
-def _derived_chunks(seed: int, slot: TensorSlot, source: str, perm: Sequence[int]) -> Iterable[bytes]:
+def _derived_chunks(seed: int, slot: TensorSlot, source: str, perm: Sequence[int], *,
+                    router_std: float = ROUTER_STD) -> Iterable[bytes]:
     """The bytes of a derived tensor: its source parameter generated whole (float32), then transposed."""
     inverse = np.argsort(perm)
     source_slot = TensorSlot(source, tuple(slot.shape[i] for i in inverse), slot.elem_type, 0, slot.length)
-    yield _encode(np.ascontiguousarray(tensor_values(seed, source_slot).transpose(perm)), slot.elem_type)
+    yield _encode(np.ascontiguousarray(tensor_values(seed, source_slot, router_std).transpose(perm)), slot.elem_type)
 
 
 def regenerate(onnx_path: str | os.PathLike, seed: int | None = None, *, threads: int | None = None) -> list[Path]:
@@ -285,10 +295,11 @@ def regenerate(onnx_path: str | os.PathLike, seed: int | None = None, *, threads
     if seed is None:
         raise ValueError(f"{onnx_path}: no --seed given and none recorded in its metadata ({METADATA_KEY})")
     derived = recorded.get("derived", {})
+    router_std = float(recorded.get("router_std", ROUTER_STD))
     written = []
     for location, slots in external_slots(model).items():
         target = onnx_path.parent / location
-        write(target, slots, seed, threads=threads, derived=derived)
+        write(target, slots, seed, threads=threads, derived=derived, router_std=router_std)
         written.append(target)
     return written
 

@@ -1,5 +1,6 @@
 """examples/seed_form.py: the seed's static-cache graph form, checked against its PyTorch reference."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -220,3 +221,32 @@ def test_seeded_int4_export_regenerates_and_routes_like_the_inline_form(tmp_path
     # zero-mean INT4 weights: no common offset builds up in the residual stream across layers
     centered = codes.astype(np.float64) - np.repeat(zeros, cfg.block_size, axis=-1)[..., :codes.shape[-1]]
     assert abs(centered.mean()) < 0.05 and 4.0 < centered.std() < 5.0
+
+
+def test_a_recorded_router_std_draws_the_router_and_regenerates(tmp_path):
+    """router_std (the full-size configs' `FULL_ROUTER_STD`) is recorded in the metadata: the router weights have
+    that std, regenerating gives the same bytes, and a graph recorded without one regenerates with the toy std."""
+    import filecmp
+    import shutil
+
+    import seeded_weights
+
+    sizes = dict(layers=1, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=8, vocab=512, max_seq=32)
+    path = seed_form.export_seeded("qwen3_moe", tmp_path / "a", dtype="fp16", seed=4, threads=1, router_std=0.05,
+                                   **sizes)
+    model = onnx.load(str(path), load_external_data=False)
+    recorded = json.loads({p.key: p.value for p in model.metadata_props}[seeded_weights.METADATA_KEY])
+    assert recorded["router_std"] == 0.05
+    router = next(t for t in model.graph.initializer if t.name == "layers.0.mlp.gate.weight")
+    assert 0.045 < onnx.numpy_helper.to_array(router, str(tmp_path / "a")).astype(np.float64).std() < 0.055
+    (tmp_path / "b").mkdir()
+    shutil.copy(path, tmp_path / "b" / "model.onnx")
+    seeded_weights.regenerate(tmp_path / "b" / "model.onnx", threads=1)
+    assert filecmp.cmp(tmp_path / "a" / "model.onnx.data", tmp_path / "b" / "model.onnx.data", shallow=False)
+    del model.metadata_props[:]  # as graphs exported before the std was recorded
+    onnx.helper.set_model_props(model, {seeded_weights.METADATA_KEY: json.dumps({"seed": 4, "derived": {}})})
+    onnx.save(model, str(tmp_path / "b" / "model.onnx"))
+    seeded_weights.regenerate(tmp_path / "b" / "model.onnx", threads=1)
+    old = onnx.numpy_helper.to_array(router, str(tmp_path / "b")).astype(np.float64)
+    assert 0.45 < old.std() < 0.55
+    assert seed_form.FULL["qwen2_moe"]["router_std"] == seed_form.FULL["qwen3_moe"]["router_std"] == seed_form.FULL_ROUTER_STD
