@@ -110,8 +110,7 @@ def main() -> int:
             dummy = cp.zeros(1, cp.float16)
             rope_ins = (cp.asarray(cos), cp.asarray(sin), dummy if qw is None else cp.asarray(qw), dummy if kw is None else cp.asarray(kw))
             krot = cp.zeros((1, hkv, t, d), cp.float16)
-            rope_consts = [np.int32(c) for c in (0, d if t > 1 else 0, 0, d if t > 1 else 0, 3 if norms else 0,
-                                                 struct.unpack("<i", struct.pack("<f", EPS))[0])]
+            rope_consts = rotary_consts(cos, sin, qw, kw, EPS)
             splits = sorted({cuda_splits(1, hq, t, s) if p == "auto" else max(1, int(p)) for p in args.splits.split(",")})
             for (vname, mod), p, rope in ((vm, p, r) for vm in mods.items() for p in splits for r in (False, True)):
                 kernel = mod.get_function(f"grouped_attention_{'rope_' if rope else ''}f16_d{d}")
@@ -157,6 +156,16 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def rotary_consts(cos: np.ndarray, sin: np.ndarray, qw, kw, eps: float) -> list[np.int32]:
+    """The rotary kernel's push constants after the plain kernel's, as the lowering passes them: each table's
+    ([Bc, 1, Tc, D]) element strides over B and T (0 where that dim is 1: broadcast; ``rope.op.table_strides``),
+    the norms present (bit 0 Q's, bit 1 K's) and the norms' epsilon as float32 bits."""
+    d = cos.shape[-1]
+    strides = [(0 if x.shape[0] == 1 else x.shape[2] * d, 0 if x.shape[2] == 1 else d) for x in (cos, sin)]
+    flags = int(qw is not None) | 2 * int(kw is not None)
+    return [np.int32(c) for c in (*strides[0], *strides[1], flags, struct.unpack("<i", struct.pack("<f", eps))[0])]
+
+
 def check_samples(cp, mod) -> int:
     """The conformance kit's samples of GroupedAttention (grouped and plain heads, decode and prefill rows, masks
     of [1, 1, T, S], [B, 1, T, S] and [1, Hq, T, S], none; f32 and f16; with the rotary inputs through
@@ -185,11 +194,8 @@ def check_samples(cp, mod) -> int:
         news = (cp.asarray(k_new), cp.asarray(v_new), cp.asarray(position)) if n_new else (dummy, dummy, cp.zeros(1, cp.int64))
         wants = [w.astype(np.float64) for w in op.reference(attrs, q, k, v, mask, k_new, v_new, position, cos, sin, qw, kw)]
         rope = cos is not None
-        if rope:  # the rotary kernel: its tables' strides over B and T, the norms, the rotated K rows
-            table = lambda x: (0 if x.shape[0] == 1 else x.shape[2] * d, 0 if x.shape[2] == 1 else d)  # noqa: E731
-            flags = int(qw is not None) | 2 * int(kw is not None)
-            eps = struct.unpack("<i", struct.pack("<f", attrs.get("norm_epsilon", 0.0)))[0]
-            rope_consts = [np.int32(c) for c in (*table(cos), *table(sin), flags, eps)]
+        if rope:  # the rotary kernel: its tables' strides, the norms, the rotated K rows
+            rope_consts = rotary_consts(cos, sin, qw, kw, attrs.get("norm_epsilon", 0.0))
             rope_ins = (cp.asarray(cos), cp.asarray(sin), *(dummy if w is None else cp.asarray(w) for w in (qw, kw)))
             krot = cp.zeros(k_new.shape, q.dtype)
         forced = (2, 3) if b * hq * t <= CUDA_SPLIT_ROWS else ()  # the samples' S are small: splits forced too
