@@ -381,7 +381,10 @@ def _compare_decoding(model: str, folder: str, ids: list[int], res, low_memory: 
               help="Keep an ort folder's weights memory-mapped (ONNX Runtime prepacking off: memory that does not grow "
                    "with the weights, calls about 10x slower). Default: on when the folder's files exceed 40% of the "
                    "available memory.")
-def verify_cmd(model, folder, inputs_path, rtol, seed, locate, low_memory) -> None:
+@click.option("--float32-reference", "float32", is_flag=True,
+              help="Also compare float16 outputs with MODEL widened to float32: beyond tolerance still passes when no "
+                   "farther from it than twice MODEL's own fp16 distance (rounding MODEL amplifies, not a wrong graph).")
+def verify_cmd(model, folder, inputs_path, rtol, seed, locate, low_memory, float32) -> None:
     """Compare FOLDER's lowered model with MODEL on ONNX Runtime CPU (exit 1 when beyond tolerance)."""
     from rewrite import verify as v
     from rewrite.backends import needs_low_memory
@@ -389,7 +392,7 @@ def verify_cmd(model, folder, inputs_path, rtol, seed, locate, low_memory) -> No
     feeds = _load_feeds(inputs_path)
     low_memory = needs_low_memory(folder) if low_memory is None else low_memory
     click.echo(v.describe_comparison(model, folder, low_memory=low_memory))
-    res = v.verify(model, folder, feeds=feeds, rtol=rtol, seed=seed, low_memory=low_memory)
+    res = v.verify(model, folder, feeds=feeds, rtol=rtol, seed=seed, low_memory=low_memory, float32=float32)
     for c in res:
         click.echo(c.line())
     ok = all(c.ok for c in res)

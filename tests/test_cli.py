@@ -80,6 +80,43 @@ def test_verify_fails_with_status_1_when_outputs_differ(tmp_path):
     assert "FAIL y" in r.stdout and "verify: FAIL" in r.stdout
 
 
+def test_verify_against_the_float32_twin(tmp_path):
+    """y = (x + 1000) - 1000 with the sum rounded to fp16 (a Cast round trip) takes x to steps of 0.5; a folder
+    computing it without the rounding is far from that original but near its float32 twin: it passes with
+    --float32-reference (the original's own distance from the twin is the yardstick), while a folder with a wrong
+    constant fails both ways."""
+    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    c = numpy_helper.from_array(np.array([1000.0], np.float32), "c")
+    nodes = [helper.make_node("Cast", ["x"], ["x32"], to=f32), helper.make_node("Add", ["x32", "c"], ["s"]),
+             helper.make_node("Cast", ["s"], ["s16"], to=f16), helper.make_node("Cast", ["s16"], ["s32"], to=f32),
+             helper.make_node("Sub", ["s32", "c"], ["y32"]), helper.make_node("Cast", ["y32"], ["y"], to=f16)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f16, [4])],
+                          [helper.make_tensor_value_info("y", f16, [4])], [c])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), model)
+    out = tmp_path / "out"
+    assert rewrite("apply", model, "--backend", "ort", "-o", out).returncode == 0
+    m = onnx.load(out / "model.onnx")
+    del m.graph.node[:], m.graph.value_info[:]  # the same without the rounding Cast pair
+    m.graph.node.extend([n for n in nodes if n.output[0] not in ("s16", "s32")])
+    m.graph.node[2].input[0] = "s"
+    onnx.save(m, out / "model.onnx")
+    np.savez(tmp_path / "in.npz", x=np.array([0.1, 0.2, 0.3, 0.4], np.float16))
+    r = rewrite("verify", model, out, "--inputs", tmp_path / "in.npz")
+    assert r.returncode == 1 and "FAIL y" in r.stdout, r.stdout + r.stderr
+    r = rewrite("verify", model, out, "--inputs", tmp_path / "in.npz", "--float32-reference")
+    assert r.returncode == 0 and "verify: PASS" in r.stdout, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("ok   y"))
+    got, own = (float(v) for v in re.search(r"against float32: max_rel=(\S+), the original's (\S+) ", line).groups())
+    assert got < 1e-3 and own > 0.2 and "(within twice the original's own)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npz", "m.onnx", "out"]  # the twin is gone
+    m.graph.initializer.append(numpy_helper.from_array(np.array([999.0], np.float32), "c_wrong"))
+    m.graph.node[2].input[1] = "c_wrong"  # y = x + 1
+    onnx.save(m, out / "model.onnx")
+    r = rewrite("verify", model, out, "--inputs", tmp_path / "in.npz", "--float32-reference")
+    assert r.returncode == 1 and "FAIL y" in r.stdout and "against float32" in r.stdout, r.stdout + r.stderr
+
+
 def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str]]:
     good = small_model(tmp / "good.onnx")
     (tmp / "text.onnx").write_text("not a model\n")
