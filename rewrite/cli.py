@@ -383,7 +383,8 @@ def _compare_decoding(model: str, folder: str, ids: list[int], res, low_memory: 
                    "available memory.")
 @click.option("--float32-reference", "float32", is_flag=True,
               help="Also compare float16 outputs with MODEL widened to float32: beyond tolerance still passes when no "
-                   "farther from it than twice MODEL's own fp16 distance (rounding MODEL amplifies, not a wrong graph).")
+                   "farther from it than twice MODEL's own fp16 distance (at most 5 tolerances; nothing where MODEL "
+                   "overflows).")
 def verify_cmd(model, folder, inputs_path, rtol, seed, locate, low_memory, float32) -> None:
     """Compare FOLDER's lowered model with MODEL on ONNX Runtime CPU (exit 1 when beyond tolerance)."""
     from rewrite import verify as v
@@ -395,6 +396,8 @@ def verify_cmd(model, folder, inputs_path, rtol, seed, locate, low_memory, float
     res = v.verify(model, folder, feeds=feeds, rtol=rtol, seed=seed, low_memory=low_memory, float32=float32)
     for c in res:
         click.echo(c.line())
+    if float32 and not any(c.fp32_rel is not None for c in res):
+        click.echo("verify: --float32-reference: no float16 output to compare with MODEL's float32 twin")
     ok = all(c.ok for c in res)
     click.echo("verify: PASS" if ok else "verify: FAIL")
     if locate:

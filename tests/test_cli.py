@@ -107,14 +107,31 @@ def test_verify_against_the_float32_twin(tmp_path):
     r = rewrite("verify", model, out, "--inputs", tmp_path / "in.npz", "--float32-reference")
     assert r.returncode == 0 and "verify: PASS" in r.stdout, r.stdout + r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("ok   y"))
-    got, own = (float(v) for v in re.search(r"against float32: max_rel=(\S+), the original's (\S+) ", line).groups())
-    assert got < 1e-3 and own > 0.2 and "(within twice the original's own)" in line
+    got, bound, own = (float(v) for v in re.search(
+        r"against float32: max_rel=(\S+) \(bound (\S+)\), the original's (\S+):", line).groups())
+    assert got < 1e-3 and own > 0.2 and bound == 0.05  # twice 0.5, capped at 5 tolerances
+    assert "passes on the float32 twin" in line and "the original itself is beyond tolerance" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npz", "m.onnx", "out"]  # the twin is gone
     m.graph.initializer.append(numpy_helper.from_array(np.array([999.0], np.float32), "c_wrong"))
     m.graph.node[2].input[1] = "c_wrong"  # y = x + 1
     onnx.save(m, out / "model.onnx")
     r = rewrite("verify", model, out, "--inputs", tmp_path / "in.npz", "--float32-reference")
     assert r.returncode == 1 and "FAIL y" in r.stdout and "against float32" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_float32_twin_loosens_nothing_past_its_cap_or_where_the_original_overflows():
+    from rewrite.verify import compare, judge_with_float32
+
+    twin = np.array([100.0, 1.0, 2.0], np.float32)
+    ref = np.array([90.0, 1.0, 2.0], np.float16)  # the original 10% off its twin: bound capped at 5% (5 x 1e-2)
+    for got, ok in (([100.0, 1.0, 2.0], True), ([96.0, 1.0, 2.0], True), ([93.0, 1.0, 2.0], False)):
+        c = judge_with_float32(compare("y", np.array(got, np.float16), ref), np.array(got, np.float16), ref, twin)
+        assert (c.ok, c.fp32_bound) == (ok, 0.05), (got, c)
+    overflowed = np.array([np.inf, 1.0, 2.0], np.float16)  # fp16 overflow where the twin is finite
+    for got in ([7.0, -50.0, 1000.0], [np.nan] * 3):
+        got = np.array(got, np.float16)
+        c = judge_with_float32(compare("y", got, overflowed), got, overflowed, twin)
+        assert not c.ok and c.fp32_bound == 1e-2 and c.reference_fp32_rel == np.inf
 
 
 def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str]]:

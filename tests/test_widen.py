@@ -87,6 +87,7 @@ def test_bad_arguments_are_one_clear_error(tmp_path):
     (src.parent / "model.onnx.data").write_bytes(b"\0" * 16)  # shorter than W
     with pytest.raises(RewriteError, match="'W'.*missing or ends early"):
         widen_float16(src, tmp_path / "dst" / "model.onnx")
+    assert list((tmp_path / "dst").iterdir()) == []  # the data file begun is removed
     (tmp_path / "junk.onnx").write_bytes(b"not a model")
     with pytest.raises(ModelLoadError):
         widen_float16(tmp_path / "junk.onnx", tmp_path / "out.onnx")
@@ -108,3 +109,26 @@ def test_in_the_source_folder_only_the_widened_tensors_are_written(tmp_path):
               size_threshold=1024)
     with pytest.raises(RewriteError, match="x.data is where the float32 twin's would go"):
         widen_float16(src.with_name("other.onnx"), src.with_name("x"))
+
+
+def test_every_element_type_attribute_and_no_half_written_twin(tmp_path):
+    """``output_dtype`` (DequantizeLinear, opset 23) is widened like ``to`` and ``dtype``; a Constant whose tensor
+    keeps its data outside the model is refused in one line, and nothing of the twin is left behind."""
+    nodes = [helper.make_node("DequantizeLinear", ["q", "s"], ["y"], output_dtype=F16),
+             helper.make_node("EyeLike", ["y"], ["e"], dtype=F16)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("q", TensorProto.UINT8, [4, 4])],
+                          [helper.make_tensor_value_info("e", F16, [4, 4])],
+                          [numpy_helper.from_array(np.array(0.5, np.float32), "s")])
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), str(src))
+    m = onnx.load(str(widen_float16(src, tmp_path / "w" / "m.onnx")))
+    assert [helper.get_attribute_value(n.attribute[0]) for n in m.graph.node] == [F32, F32]
+    const = numpy_helper.from_array(np.ones(600, np.float16), "big")
+    g = helper.make_graph([helper.make_node("Constant", [], ["y"], value=const)], "g", [],
+                          [helper.make_tensor_value_info("y", F16, [600])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.save(model, str(tmp_path / "c.onnx"), save_as_external_data=True, convert_attribute=True, size_threshold=0,
+              location="c.onnx.data")
+    with pytest.raises(RewriteError, match="attribute tensor 'big' keeps its data outside the model"):
+        widen_float16(tmp_path / "c.onnx", tmp_path / "out" / "c.onnx")
+    assert not (tmp_path / "out" / "c.onnx").exists() and not (tmp_path / "out" / "c.onnx.data").exists()

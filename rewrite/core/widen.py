@@ -8,7 +8,8 @@ largest apart) changes its greedy tokens under any fp16 evaluation order, ONNX R
 
 What changes (ONNX IR spec, "Tensor element types"): initializers (external data streamed tensor by tensor into
 one new data file, never the whole model in memory), tensor attributes (``Constant``, ``ConstantOfShape``), the
-element-type attributes ``to`` (``Cast``) and ``dtype`` (``EyeLike``, the ``Random*`` ops), and the element type of
+element-type attributes ``to`` (``Cast``), ``dtype`` (``EyeLike``, the ``Random*`` ops) and ``output_dtype``
+(``DequantizeLinear`` from opset 23), and the element type of
 graph inputs, outputs and value_info, in subgraphs too. Everything else is copied as it was.
 """
 
@@ -26,7 +27,7 @@ from rewrite.core.onnx_io import point_external, read_model
 from rewrite.errors import RewriteError
 
 F16, F32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
-_TYPE_ATTRS = {"to", "dtype"}  #: INT attributes that name an element type
+_TYPE_ATTRS = {"to", "dtype", "output_dtype"}  #: INT attributes that name an element type
 _ALIGN = 64  #: byte alignment of each tensor in the new data file
 
 
@@ -40,7 +41,10 @@ def _widen_type(t: onnx.TypeProto) -> None:
         _widen_type(t.map_type.value_type)
 
 
-def _widen_inline(t: onnx.TensorProto) -> None:
+def _widen_inline(t: onnx.TensorProto, where: str = "") -> None:
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        raise RewriteError(f"{where}: the FLOAT16 attribute tensor '{t.name}' keeps its data outside the model; "
+                           f"widening those is not supported")
     t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
 
 
@@ -62,11 +66,11 @@ def _widen_graph(g: onnx.GraphProto, where: str) -> list[onnx.TensorProto]:
             if a.type == onnx.AttributeProto.INT and a.name in _TYPE_ATTRS and a.i == F16:
                 a.i = F32
             elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == F16:
-                _widen_inline(a.t)
+                _widen_inline(a.t, f"{where}: node '{n.name}'")
             elif a.type == onnx.AttributeProto.TENSORS:
                 for t in a.tensors:
                     if t.data_type == F16:
-                        _widen_inline(t)
+                        _widen_inline(t, f"{where}: node '{n.name}'")
             elif a.type == onnx.AttributeProto.GRAPH:
                 streamed += _widen_graph(a.g, where)
             elif a.type == onnx.AttributeProto.GRAPHS:
@@ -106,7 +110,9 @@ def widen_float16(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
                 if a.type == onnx.AttributeProto.INT and a.name in _TYPE_ATTRS and a.i == F16:
                     a.i = F32
                 elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == F16:
-                    _widen_inline(a.t)
+                    _widen_inline(a.t, f"{src}: function '{f.name}'")
+        for v in getattr(f, "value_info", ()):  # (FunctionProto.value_info: IR version 10)
+            _widen_type(v.type)
     dst.parent.mkdir(parents=True, exist_ok=True)
     data = dst.with_name(dst.name + ".data")
     if dst.parent.resolve() == src.parent.resolve():
@@ -114,6 +120,21 @@ def widen_float16(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             raise RewriteError(f"{src}: its external data file {data.name} is where the float32 twin's would go")
         streamed = [t for t in streamed if t.data_type == F16]
     # the float16 tensors get new float32 data; every other external tensor is copied into the same new file
+    try:
+        pos = _write_data(src, data, streamed)
+        onnx.save(model, str(dst))
+    except BaseException:  # an error or a signal leaves no half-written twin
+        for f in (data, dst):
+            f.unlink(missing_ok=True)
+        raise
+    if pos == 0:
+        data.unlink()
+    return dst
+
+
+def _write_data(src: Path, data: Path, streamed: list[onnx.TensorProto]) -> int:
+    """Write ``streamed``'s bytes into ``data`` (float16 ones as float32), pointing each tensor there; returns the
+    bytes written."""
     pos = 0
     with open(data, "wb") as out:
         for t in streamed:
@@ -132,7 +153,4 @@ def widen_float16(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             raw.tofile(out)
             point_external(t, data.name, pos, raw.nbytes)
             pos += raw.nbytes
-    onnx.save(model, str(dst))
-    if pos == 0:
-        data.unlink()
-    return dst
+    return pos
