@@ -219,6 +219,8 @@ def float32_outputs(model_path: str | Path, feeds: dict[str, np.ndarray], output
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise RewriteError(f"{model_path}: cannot write its float32 twin beside it ({e})") from e
+            if twin is not None:
+                twin.unlink(missing_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix="rewrite-float32-"))
             twin = widen_float16(model_path, tmp / "model.onnx")
         wide = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}

@@ -9,8 +9,8 @@ largest apart) changes its greedy tokens under any fp16 evaluation order, ONNX R
 What changes (ONNX IR spec, "Tensor element types"): initializers (external data streamed tensor by tensor into
 one new data file, never the whole model in memory), tensor attributes (``Constant``, ``ConstantOfShape``), the
 element-type attributes ``to`` (``Cast``), ``dtype`` (``EyeLike``, the ``Random*`` ops) and ``output_dtype``
-(``DequantizeLinear`` from opset 23), and the element type of
-graph inputs, outputs and value_info, in subgraphs too. Everything else is copied as it was.
+(``DequantizeLinear`` from opset 23), and the element type of graph inputs, outputs and value_info, in subgraphs
+too. Everything else is copied as it was; bfloat16 stays bfloat16.
 """
 
 from __future__ import annotations
@@ -96,8 +96,10 @@ def widen_float16(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
     Raises:
         ModelLoadError: ``src`` is not a readable ONNX model.
-        RewriteError: ``dst`` is ``src``; a sparse FLOAT16 initializer; an external tensor whose data file is missing
-            or shorter than its offset and length say.
+        RewriteError: ``dst`` is ``src``; a sparse FLOAT16 initializer; a FLOAT16 attribute tensor with external
+            data; an external tensor whose data file is missing or shorter than its offset and length say; in
+            ``src``'s folder, a data file of ``src`` named as the twin's (``<dst name>.data``). Nothing of the twin
+            is left behind.
     """
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
