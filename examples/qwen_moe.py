@@ -241,6 +241,7 @@ def export_seeded(arch: str, size: str, dtype: torch.dtype, out_dir: str | Path,
         arch, size: as `build_model`; ``size="full"`` is the real configuration.
         dtype: ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``.
         seed: weight seed (not the same weights as `build_model` with this seed: those come from torch's generator).
+            At full size the routers are drawn with `seeded_weights.FULL_ROUTER_STD` (recorded in the metadata).
 
     Returns:
         The path of ``model.onnx``.
@@ -259,7 +260,8 @@ def export_seeded(arch: str, size: str, dtype: torch.dtype, out_dir: str | Path,
     slots = seeded_weights.layout((name, p.shape, _TORCH_ELEM_TYPES[p.dtype]) for name, p in params)
     if data.exists():
         data.unlink()
-    nbytes = seeded_weights.write(data, slots, seed, threads=threads)
+    router_std = seeded_weights.FULL_ROUTER_STD if size == "full" else seeded_weights.ROUTER_STD
+    nbytes = seeded_weights.write(data, slots, seed, threads=threads, router_std=router_std)
     storage = torch.from_file(str(data), shared=True, size=nbytes, dtype=torch.uint8)
     with torch.no_grad():
         for slot, (name, param) in zip(slots, params):
@@ -313,7 +315,7 @@ def export_seeded(arch: str, size: str, dtype: torch.dtype, out_dir: str | Path,
     used_ranges = {(v.const_value.offset, v.const_value.length) for v in program.graph.initializers.values()
                    if isinstance(v.const_value, onnx_ir.ExternalTensor)}
     used = max((offset + length for offset, length in used_ranges), default=0)
-    program.metadata_props[seeded_weights.METADATA_KEY] = seeded_weights.metadata(seed, derived)
+    program.metadata_props[seeded_weights.METADATA_KEY] = seeded_weights.metadata(seed, derived, router_std)
     # serialized before the unused parameters are zeroed: constants kept inline may still be views of them
     onnx.save(onnx_ir.serde.serialize_model(program), str(path))
     del program, model, params, sample, storage, by_ptr

@@ -140,11 +140,7 @@ ARCHS: dict[str, dict] = {
                       norm_topk=True),
 }
 
-#: the seeded router weights' std at full size: router logits of std about 2.3 (0.05 x sqrt(2048)). The toy std
-#: (0.5: logits of std 22.6 at hidden 2048) saturates the softmax, and fp16 rounding then moved Qwen1.5-MoE's
-#: top-2 expert weights by up to 0.43 (e.g. 0.47/0.39 in float32, 0.90/0.07 in fp16): ONNX Runtime CPU's fp16
-#: greedy tokens left those of the same model in float32 at the second token (BENCHMARKS.md)
-FULL_ROUTER_STD = 0.05
+FULL_ROUTER_STD = seeded_weights.FULL_ROUTER_STD  #: the full-size routers' std (seeded_weights says why)
 #: the real configurations (Hugging Face config.json of Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B), static
 #: cache of 256 positions
 FULL: dict[str, dict] = {

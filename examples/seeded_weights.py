@@ -42,6 +42,12 @@ import numpy as np
 import onnx
 
 ROUTER_STD = 0.5
+#: the router weights' std of the full-size exports (``seed_form.FULL``, ``qwen_moe.export_seeded(size="full")``):
+#: logits of std about 2.3 at hidden 2048. `ROUTER_STD` there gives logits of std 22.6, a softmax so saturated that
+#: fp16 rounding moved Qwen1.5-MoE-A2.7B's top-2 expert weights by up to 0.43 (0.47 / 0.39 in float32, 0.90 / 0.07
+#: in fp16), and ONNX Runtime CPU's fp16 tokens left those of the same model in float32 at the second token
+#: (BENCHMARKS.md, "a float32 reference")
+FULL_ROUTER_STD = 0.05
 WEIGHT_STD = 0.02
 CHUNK = 1 << 22  # elements per generator call; fixed, so the stream of every tensor is the same everywhere
 ALIGN = 64  # byte alignment of each tensor in the data file (mmap and vector loads)
