@@ -400,6 +400,19 @@ def _references(results: Path) -> dict[str, dict]:
     return out
 
 
+def _reference_tokens(model: Path, prompt: list[int], logits_file: Path, low_memory: bool = False) -> tuple[dict, np.ndarray]:
+    """ONNX Runtime CPU on ``model`` (``Generator.reference``): ``CHECK_TOKENS`` greedy tokens after ``prompt``, the
+    result as ``run`` stores it and the logits of each step (also saved to ``logits_file``)."""
+    from rewrite.generate import Generator
+
+    res = _timed_generate(Generator.reference(model, low_memory=low_memory).step, prompt, CHECK_TOKENS)
+    logits = res.pop("logits")
+    np.save(logits_file, logits)
+    res["check_tokens"] = res["tokens"]
+    res["host"] = f"{platform.node()}, {os.cpu_count()} cores"
+    return res, logits
+
+
 def _reference_fp32(seed: Path, folder: Path, prompt: list[int], results: Path) -> dict:
     """The float32 reference: the reference's quantized model (``--plugins quant4``) with every fp16 tensor
     widened to float32 (:func:`rewrite.core.widen.widen_float16`: the same weights, without fp16's rounding of each
@@ -407,21 +420,17 @@ def _reference_fp32(seed: Path, folder: Path, prompt: list[int], results: Path) 
     (``reference_fp32_logits.npy`` in ``results``), and, where ``results`` holds the fp16 reference, that
     reference's own teacher-forced check against it (``check_logits_fp32``: how far ONNX Runtime CPU's fp16 is from
     the same model computed in float32, the fp16 model run as ``reference`` runs it). The twin's weights stay in
-    their memory-mapped files (``low_memory``)."""
+    their memory-mapped files (``low_memory``). ``folder`` may already hold the quantized model (``run`` keeps the
+    reference's when this follows it)."""
     from rewrite.core.widen import widen_float16
     from rewrite.generate import Generator
 
-    _rewrite("apply", str(seed), "--plugins", REFERENCE_PLUGINS, "--backend", "ort", "-o", str(folder))
+    if not (folder / "model.onnx").exists():
+        _rewrite("apply", str(seed), "--plugins", REFERENCE_PLUGINS, "--backend", "ort", "-o", str(folder))
     t0 = time.perf_counter()
     wide = widen_float16(folder / "model.onnx", folder / "model.fp32.onnx")  # beside it: the INT4 codes not copied
     print(f"  widened to float32: {time.perf_counter() - t0:.0f} s", flush=True)
-    gen = Generator.reference(wide, low_memory=True)
-    res = _timed_generate(gen.step, prompt, CHECK_TOKENS)
-    logits = res.pop("logits")
-    np.save(results / "reference_fp32_logits.npy", logits)
-    res["check_tokens"] = res["tokens"]
-    res["host"] = f"{platform.node()}, {os.cpu_count()} cores"
-    del gen
+    res, logits = _reference_tokens(wide, prompt, results / "reference_fp32_logits.npy", low_memory=True)
     for f in (wide, wide.with_name(wide.name + ".data")):
         f.unlink(missing_ok=True)
     if (results / "reference_logits.npy").exists():
@@ -610,14 +619,12 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None, iree_
             shutil.rmtree(folder, ignore_errors=True)
         if name == "reference":
             _rewrite("apply", str(seed), "--plugins", REFERENCE_PLUGINS, "--backend", "ort", "-o", str(folder))
-            from rewrite.generate import Generator
-
-            gen = Generator.reference(folder / "model.onnx")
-            res = _timed_generate(gen.step, prompt[:CHECK_PROMPT], CHECK_TOKENS)
-            np.save(results / "reference_logits.npy", res.pop("logits"))
-            res["check_tokens"] = res["tokens"]
-            res["host"] = f"{platform.node()}, {os.cpu_count()} cores"
+            res = _reference_tokens(folder / "model.onnx", prompt[:CHECK_PROMPT], results / "reference_logits.npy")[0]
         elif name == "reference-fp32":
+            shared = work / "reference.measured"  # the reference's quantized model, when kept for this
+            if (shared / "model.onnx").exists() and not reuse:
+                shutil.rmtree(folder, ignore_errors=True)
+                shared.rename(folder)
             res = _reference_fp32(seed, folder, prompt[:CHECK_PROMPT], results)
         elif name == "torch":
             res = _measure_torch(arch, prompt, max_seq, layers)
@@ -633,7 +640,8 @@ def run(bundle: Path, work: Path, configs: list[str], threads: int | None, iree_
                 _rewrite(*args, "-o", str(folder))
             res = (_measure_ort(folder, prompt, references, _ORT_TARGET[target]) if backend == "ort"
                    else _measure_folder(folder, prompt, references, profile=target == "cuda"))
-        if not keep:
+        widened_next = "reference-fp32" in configs and not (results / "reference-fp32.json").exists()
+        if not keep and not (name == "reference" and widened_next):  # the float32 reference widens this folder
             shutil.rmtree(folder, ignore_errors=True)
         res["wall_s"] = time.perf_counter() - t0
         if iree_flags:

@@ -61,7 +61,14 @@ def _widen_graph(g: onnx.GraphProto, where: str) -> list[onnx.TensorProto]:
             _widen_inline(t)
     for v in [*g.input, *g.output, *g.value_info]:
         _widen_type(v.type)
-    for n in g.node:
+    return streamed + _widen_nodes(g.node, where)
+
+
+def _widen_nodes(nodes, where: str) -> list[onnx.TensorProto]:
+    """Widen the attributes of ``nodes`` (a graph's or a model-local function's) in place; returns the external
+    initializers of their subgraphs (`_widen_graph`)."""
+    streamed = []
+    for n in nodes:
         for a in n.attribute:
             if a.type == onnx.AttributeProto.INT and a.name in _TYPE_ATTRS and a.i == F16:
                 a.i = F32
@@ -107,12 +114,7 @@ def widen_float16(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     model = read_model(src)
     streamed = _widen_graph(model.graph, str(src))
     for f in model.functions:
-        for n in f.node:
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.INT and a.name in _TYPE_ATTRS and a.i == F16:
-                    a.i = F32
-                elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == F16:
-                    _widen_inline(a.t, f"{src}: function '{f.name}'")
+        streamed += _widen_nodes(f.node, f"{src}: function '{f.name}'")
         for v in getattr(f, "value_info", ()):  # (FunctionProto.value_info: IR version 10)
             _widen_type(v.type)
     dst.parent.mkdir(parents=True, exist_ok=True)
