@@ -81,7 +81,8 @@ MAX_SEQ = 256
 #: (``--next-token``), decoded on the device several steps in flight (``Generator.decode``) and, for the ratio, by the
 #: host's argmax loop on the same folder; "iree-t1-next-nomma": the same with FusedMoE's other kernel pair instead of
 #: the tensor-core one (``moe.tensor_cores=false``); "iree-t1-next-rope-apart": the same with each layer's RoPE in a
-#: launch of its own before the attention (``attention.rope=false``); "iree-t1-noshared": without moe's fused-moe-shared (Qwen1.5-MoE's gated
+#: launch of its own before the attention (``attention.rope=false``); "iree-t1-next-gate-apart": the same with
+#: Qwen1.5-MoE's shared-expert gate a launch of its own (``densemm.merge=false``); "iree-t1-noshared": without moe's fused-moe-shared (Qwen1.5-MoE's gated
 #: shared expert summed by an elementwise dispatch); "iree-t1-norope":
 #: without the rope and norm plugins (IREE's own norms and RoPE); "iree-t1-noattn": without those and the
 #: attention plugin (IREE's own lowering of the attention core too).
@@ -100,6 +101,8 @@ CONFIGS = {
                            ("--dim", "seq_len=1", "--next-token", "--opt", "moe.tensor_cores=false")),
     "iree-t1-next-rope-apart": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                              ("--dim", "seq_len=1", "--next-token", "--opt", "attention.rope=false")),
+    "iree-t1-next-gate-apart": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
+                                ("--dim", "seq_len=1", "--next-token", "--opt", "densemm.merge=false")),
     "iree-t1-noshared": ("iree", "quant4,matmul4,densemm,cast,rope,norm,legalize,expand,kv,attention,topk,moe",
                          ("--dim", "seq_len=1", "--opt", "moe.shared=false")),
     "iree-t1-norope": ("iree", "quant4,matmul4,densemm,cast,legalize,expand,kv,attention,topk,moe", ("--dim", "seq_len=1")),

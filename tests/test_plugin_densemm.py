@@ -54,22 +54,27 @@ def test_ort_gets_the_matmul_back(seed_big_vocab, tmp_path):
 def test_cuda_lowering_compiles(seed_big_vocab, tmp_path):
     """iree --target cuda (no GPU): the LM head's kernel, and ``rms-norm-prologue`` (on by default for IREE cuda)
     gives each post-attention norm to its router's MatMul (through the MoE block's Reshape) and the final norm to the
-    LM head. Any number of tokens: each norm a dispatch of the RMSNorm kernel before the product's; one token per
-    call: the ``dense_matmul_norm`` kernel normalizes the row itself, and with matmul4's prologue (the input norms)
-    no RMSNorm dispatch is left."""
+    LM head, and ``merge-normed-products`` (also on) makes each layer's shared-expert gate ([256, 1]: a MatMul)
+    the router op's second output. Any number of tokens: each norm a dispatch of the RMSNorm kernel before the
+    product's (``_o2``: both outputs); one token per call: the ``dense_matmul_norm`` kernel normalizes the row
+    itself, and with matmul4's prologue (the input norms) no RMSNorm dispatch is left."""
     m = apply(seed_big_vocab, tmp_path / "cuda", plugins=FUSED, backend="iree", target="cuda", options={"stateful": True})
     (report,) = [r for r in m.report if r["plugin"] == "densemm"]
     rules = {r["rule"]: r["matches"] for r in report["rules"]}
     layers = _ops(tmp_path / "cuda", "FusedMoE")
-    assert rules == {"dense-float-matmul": 1, "rms-norm-prologue": layers + 1}
+    assert rules == {"dense-float-matmul": 1, "rms-norm-prologue": layers + 1, "merge-normed-products": layers}
+    model = onnx.load(str(tmp_path / "cuda" / "model.onnx"), load_external_data=False)
+    assert [len(n.output) for n in model.graph.node if n.op_type == "DenseMatMul"].count(3) == layers  # Y, G, A_normed
     mlir = (tmp_path / "cuda" / "model.mlir").read_text()
-    assert mlir.count("flow.dispatch @densemm_exec_f32::@dense_matmul_f32[") == layers + 1
+    assert mlir.count("flow.dispatch @densemm_exec_f32::@dense_matmul_f32[") == 1
+    assert mlir.count("flow.dispatch @densemm_o2_exec_f32::@dense_matmul_o2_f32[") == layers
     assert mlir.count("flow.dispatch @rmsnorm_exec::@rms_norm_f32[") == 2 * layers + 1  # matmul4's input norms too
     assert any(k.startswith("kernels/densemm_cuda-") for k in m.kernel_objects)
     assert (tmp_path / "cuda" / "model.vmfb").stat().st_size > 0
     apply(seed_big_vocab, tmp_path / "t1", plugins=FUSED, backend="iree", target="cuda", options={"stateful": True},
           dims={"seq_len": 1})
     mlir = (tmp_path / "t1" / "model.mlir").read_text()
-    assert mlir.count("flow.dispatch @densemm_norm_exec_f32::@dense_matmul_norm_f32[") == layers + 1
+    assert mlir.count("flow.dispatch @densemm_norm_exec_f32::@dense_matmul_norm_f32[") == 1
+    assert mlir.count("flow.dispatch @densemm_norm_o2_exec_f32::@dense_matmul_norm_o2_f32[") == layers
     assert "@rms_norm_f32[" not in mlir
     assert (tmp_path / "t1" / "model.vmfb").stat().st_size > 0

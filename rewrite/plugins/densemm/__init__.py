@@ -13,8 +13,11 @@ after ``quant4`` (which quantizes what it can first), ``topk`` and ``moe`` (whic
 
 Then the rule ``rms-norm-prologue`` (:mod:`rewrite.plugins.densemm.prologue`) moves an RMSNorm into the first float
 product reading it (the post-attention norm into the router's MatMul, the final norm into the LM head), whose
-second output is the normalized row for the norm's other readers: one launch for both at decode on CUDA. Option
-``prologue``: default true for IREE cuda, false elsewhere (the norm comes back in the other lowerings).
+second output is the normalized row for the norm's other readers: one launch for both at decode on CUDA; then
+``merge-normed-products`` (:mod:`rewrite.plugins.densemm.merge`) gives such an op a second float product of the
+normalized row as another output (Qwen1.5-MoE's shared-expert gate beside the router: one launch fewer per layer).
+Options ``prologue`` and ``merge``: default true for IREE cuda, false elsewhere (the norm and the products come
+back in the other lowerings).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from rewrite.core.rules import rule
 from rewrite.errors import RewriteError
 from rewrite.plugins.base import KernelObject, Plugin
 from rewrite.plugins.densemm.op import CUDA_K_MULTIPLE, DenseMatMul
+from rewrite.plugins.densemm.merge import merge_normed_products
 from rewrite.plugins.densemm.prologue import fuse_norm_prologue
 from rewrite.plugins.rmsnorm.op import CUDA_MAX_H
 
@@ -80,28 +84,33 @@ class DenseMM(Plugin):
     runs_after = ("quant4", "topk", "moe")
     description = "MatMul by a large or one-column constant float weight (the LM head, a gate) -> DenseMatMul (a warp per column on CUDA)"
     opset_range = (13, 28)
-    kernels = (KernelObject("dense_matmul_f32/f16, dense_matmul_norm_f32/f16", "iree", "cuda", "kernels/densemm_cuda.cu"),)
+    kernels = (KernelObject("dense_matmul[_o2]_f32/f16, dense_matmul_norm[_o2]_f32/f16", "iree", "cuda", "kernels/densemm_cuda.cu"),)
 
     @property
     def rules(self):
         return [dense_float_matmul]
 
     def run(self, graph, report, ctx=None, *, dry_run=False):
-        """The rule, then :func:`fuse_norm_prologue` when the option ``prologue`` is true (default: for IREE cuda).
+        """The rule, then :func:`fuse_norm_prologue` when the option ``prologue`` is true and
+        :func:`merge_normed_products` when ``merge`` is (both by default for IREE cuda only).
 
         Raises:
-            RewriteError: an unknown option, or ``prologue`` not a boolean."""
+            RewriteError: an unknown option, or one that is not a boolean."""
         opts = dict(((getattr(ctx, "options", None) or {}).get(self.short) or {}))
-        if set(opts) - {"prologue"}:
-            raise RewriteError(f"densemm: unknown option '{sorted(set(opts) - {'prologue'})[0]}'; options: prologue")
+        if set(opts) - {"prologue", "merge"}:
+            raise RewriteError(f"densemm: unknown option '{sorted(set(opts) - {'prologue', 'merge'})[0]}'; options: "
+                               "prologue, merge")
         cuda = ctx is not None and (getattr(ctx, "backend", None), getattr(ctx, "target", None)) == ("iree", "cuda")
-        prologue = opts.get("prologue", cuda)
-        if not isinstance(prologue, bool):
-            raise RewriteError(f"densemm: option prologue={prologue!r}; true or false expected")
+        prologue, merge = opts.get("prologue", cuda), opts.get("merge", cuda)
+        for key, value in (("prologue", prologue), ("merge", merge)):
+            if not isinstance(value, bool):
+                raise RewriteError(f"densemm: option {key}={value!r}; true or false expected")
         apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
         if prologue:
             fuse_norm_prologue(graph, report, k_multiple=CUDA_K_MULTIPLE if cuda else 1, max_k=CUDA_MAX_H if cuda else None,
                                dry_run=dry_run)
+        if merge:
+            merge_normed_products(graph, report, dry_run=dry_run)
 
     @property
     def abstract_ops(self):

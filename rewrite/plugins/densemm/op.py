@@ -7,16 +7,19 @@ Contract (inputs; K the reduction size, N the output size, float = f32 or f16, o
 2. ``norm_weight`` float [K] (with the attribute ``norm_epsilon`` only): A is an RMSNorm's input (the
    ``rms-norm-prologue`` rule, :mod:`rewrite.plugins.densemm.prologue`)
 
-Output ``Y`` [..., N] = A @ W^T, summed in float32, in A's dtype; with ``norm_epsilon`` A is first
+Output ``Y`` [..., N] = A @ W^T, summed in float32, in A's dtype; with the attribute ``splits`` (two positive
+widths summing to N: the ``merge-normed-products`` rule, :mod:`rewrite.plugins.densemm.merge`) two outputs instead,
+``Y_1`` [..., splits[0]] and ``Y_2`` [..., splits[1]], Y's first and last columns. With ``norm_epsilon`` A is first
 ``RMSNorm(A, norm_weight, norm_epsilon)`` (ai.rewrite::RMSNorm's contract, :mod:`rewrite.plugins.rmsnorm.op`), and
-an optional second output ``A_normed`` [..., K] holds it (for the norm's other readers).
+an optional output after the products, ``A_normed`` [..., K], holds it (for the norm's other readers).
 
-Lowerings: ONNX Runtime (CPU and CUDA) gets the MatMul back (B = W^T, an initializer again when W is one); IREE
-llvm-cpu a ``linalg.generic`` contraction (IREE's own code); IREE cuda one dispatch of ``kernels/densemm_cuda.cu``,
-a warp per output column, so a decode step reads each weight byte once (iree-compile 3.13 runs Qwen1.5-MoE's LM
-head MatMul, 151936 x 2048 f16, at 230 GB/s on an H200: BENCHMARKS.md, "Full-size decode on the H200"); with
-``norm_epsilon`` and one row of A the ``dense_matmul_norm`` kernel normalizes the row in its prologue and writes
-``A_normed`` (one launch for the norm and the product), a longer A's norm is a dispatch of the RMSNorm kernel first.
+Lowerings: ONNX Runtime (CPU and CUDA) gets the MatMul back (B = W^T, an initializer again when W is one; a
+``Split`` after it for ``splits``); IREE llvm-cpu a ``linalg.generic`` contraction (IREE's own code); IREE cuda one
+dispatch of ``kernels/densemm_cuda.cu``, a warp per output column, so a decode step reads each weight byte once
+(iree-compile 3.13 runs Qwen1.5-MoE's LM head MatMul, 151936 x 2048 f16, at 230 GB/s on an H200: BENCHMARKS.md,
+"Full-size decode on the H200"); with ``norm_epsilon`` and one row of A the ``dense_matmul_norm`` kernel normalizes
+the row in its prologue and writes ``A_normed`` (one launch for the norm and the product), a longer A's norm is a
+dispatch of the RMSNorm kernel first; with ``splits`` the ``_o2`` kernels store the columns into the two outputs.
 """
 
 from __future__ import annotations
@@ -39,6 +42,19 @@ CUDA_TOKENS = 8  #: TOKENS in kernels/densemm_cuda.cu: rows of A per workgroup
 CUDA_K_MULTIPLE = 8  #: K the kernel takes: a multiple of this (16-byte loads of f16)
 
 
+def split_widths(splits, n: int, where: str) -> list[int]:
+    """The product outputs' widths: [N] without ``splits``, else its two widths.
+
+    Raises:
+        ValueError: naming ``where``: ``splits`` not two positive widths summing to N."""
+    if splits is None:
+        return [n]
+    widths = [int(v) for v in splits]
+    if len(widths) != 2 or min(widths) < 1 or sum(widths) != n:
+        raise ValueError(f"{where}: splits {widths}; two positive widths summing to N={n} expected")
+    return widths
+
+
 class DenseMatMul(AbstractOp):
     """The contract in the module docstring."""
 
@@ -49,16 +65,19 @@ class DenseMatMul(AbstractOp):
         return super().lowerings() + [Lowering(self.op_type, "iree", ("cuda",), self.lower_iree_cuda, origin=type(self).__module__)]
 
     def reference(self, attrs: dict, a, w, norm_weight=None) -> list[np.ndarray]:
-        """numpy float32 evaluation of the contract: [Y] in A's dtype; with ``norm_epsilon`` [Y, A_normed].
+        """numpy float32 evaluation of the contract: [Y] in A's dtype ([Y_1, Y_2] with ``splits``); with
+        ``norm_epsilon`` A_normed after them.
 
         Raises:
-            ValueError: ``norm_epsilon`` without a norm weight, or a norm weight without it."""
+            ValueError: ``norm_epsilon`` without a norm weight, or a norm weight without it; ``splits`` outside
+                the contract."""
         if (attrs.get("norm_epsilon") is None) != (norm_weight is None):
             raise ValueError(f"DenseMatMul with attributes {attrs}: the norm weight (input 2) goes with norm_epsilon")
-        if norm_weight is None:
-            return [(a.astype(np.float32) @ w.astype(np.float32).T).astype(a.dtype)]
-        an = RMSNorm().reference({"epsilon": attrs["norm_epsilon"]}, a, np.asarray(norm_weight))[0]
-        return [(an.astype(np.float32) @ w.astype(np.float32).T).astype(a.dtype), an]
+        widths = split_widths(attrs.get("splits"), w.shape[0], "DenseMatMul reference")
+        an = a if norm_weight is None else RMSNorm().reference({"epsilon": attrs["norm_epsilon"]}, a, np.asarray(norm_weight))[0]
+        y = (an.astype(np.float32) @ w.astype(np.float32).T).astype(a.dtype)
+        ys = np.split(y, np.cumsum(widths)[:-1], axis=-1) if len(widths) > 1 else [y]
+        return ys if norm_weight is None else [*ys, an]
 
     def sample_inputs(self, rng: np.random.Generator) -> list[tuple[dict, list[np.ndarray]]]:
         """Conformance-kit samples: rows not a multiple of 8, f16, a 3-D A, N not a multiple of the 8 warps; the
@@ -69,39 +88,64 @@ class DenseMatMul(AbstractOp):
             if norm is None:
                 return {}, ins
             return {"norm_epsilon": norm}, ins + [(1 + 0.1 * rng.standard_normal(k)).astype(dt)]
+        def split(c, widths):
+            return {**c[0], "splits": widths}, c[1]
         return [case(3, 64, 40, np.float32), case(9, 128, 77, np.float16), case(5, 256, 16, np.float16, lead=(2,)),
                 case(1, 2048, 60, np.float16, lead=(1,), norm=1e-6), case(1, 64, 5, np.float32, norm=1e-5),
-                case(4, 128, 24, np.float16, lead=(1,), norm=1e-6)]
+                case(4, 128, 24, np.float16, lead=(1,), norm=1e-6),
+                # splits: a router and a one-column gate (Qwen1.5-MoE), on one row and on several
+                split(case(1, 2048, 61, np.float16, lead=(1,), norm=1e-6), [60, 1]),
+                split(case(3, 64, 13, np.float32, norm=1e-5), [8, 5]), split(case(10, 128, 21, np.float16), [20, 1])]
 
     def lower_ort(self, graph: Graph, node: Node) -> None:
         """``MatMul(A, W^T)``: W^T an initializer when W is one (the MatMul the rule replaced), else a Transpose;
-        with ``norm_epsilon`` the RMSNorm before it (:func:`rewrite.plugins.rmsnorm.op.rms_norm_onnx`), its output
-        also ``A_normed``.
+        a ``Split`` after it for ``splits``; with ``norm_epsilon`` the RMSNorm before it
+        (:func:`rewrite.plugins.rmsnorm.op.rms_norm_onnx`), its output also ``A_normed``.
 
         Raises:
-            BackendError: the norm weight, ``norm_epsilon`` and a second output not together."""
+            BackendError: the norm weight, ``norm_epsilon`` and an A_normed output not together, ``splits``
+                outside the contract, or outputs other than the products and an optional A_normed."""
         a, w = node.inputs[:2]
         norm = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else ""
-        if bool(norm) != (node.attr("norm_epsilon") is not None) or (len(node.outputs) > 1 and not norm):
-            raise BackendError(f"DenseMatMul node {node.describe()}: the norm weight (input 2) and the second output "
-                               "(A_normed) go with norm_epsilon")
+        where = f"DenseMatMul node {node.describe()}"
+        c = graph.const(w)
+        n = c.shape[0] if c is not None else (graph.values[w].shape or [None])[0]
+        if not isinstance(n, int):  # W computed, its rows unknown: the widths are their own sum
+            n = sum(int(v) for v in node.attr("splits") or [0])
+        try:
+            widths = split_widths(node.attr("splits"), n, where)
+        except ValueError as e:
+            raise BackendError(str(e)) from None
+        if not len(widths) <= len(node.outputs) <= len(widths) + 1:
+            raise BackendError(f"{where}: {len(node.outputs)} output(s) for {len(widths)} product output(s) and an "
+                               "optional A_normed")
+        if bool(norm) != (node.attr("norm_epsilon") is not None) or (len(node.outputs) > len(widths) and not norm):
+            raise BackendError(f"{where}: the norm weight (input 2) and the output after the products (A_normed) go "
+                               "with norm_epsilon")
         dt = graph.values[a].dtype
         b = Builder(graph, "lower/DenseMatMul", node.order, node.name)
         if norm:
             a = rms_norm_onnx(b, a, norm, float(node.attr("norm_epsilon")))
-        c = graph.const(w)
         wt = b.const(np.ascontiguousarray(c.T), "weight") if c is not None else b.op("Transpose", [w], perm=[1, 0], dtype=dt)
-        y = b.op("MatMul", [a, wt], dtype=dt, shape=graph.values[node.outputs[0]].shape)
-        graph.replace_node(node, [y, a][:len(node.outputs)])
+        shapes = [graph.values[o].shape for o in node.outputs]
+        if len(widths) == 1:
+            ys = [b.op("MatMul", [a, wt], dtype=dt, shape=shapes[0])]
+        else:
+            y = b.op("MatMul", [a, wt], dtype=dt)
+            ys = list(b.op("Split", [y, b.const(np.array(widths, np.int64), "splits")], outputs=len(widths), axis=-1))
+            for new, shape in zip(ys, shapes):
+                graph.values[new].set_type(dt, shape)
+        graph.replace_node(node, [*ys, a][:len(node.outputs)])
         graph.remove_unused_initializers()
 
     def lower_iree(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
         """llvm-cpu: one ``linalg.generic`` over [M, N, K] (M = the product of A's leading dims) summing in f32,
-        then one truncating to f16 when A is f16; with ``norm_epsilon`` the RMSNorm's two before them
+        then one truncating to f16 when A is f16 (with ``splits``, each output a ``tensor.extract_slice`` of its
+        columns); with ``norm_epsilon`` the RMSNorm's two before them
         (:func:`rewrite.plugins.rmsnorm.op.rms_norm_rows_linalg`).
 
         Raises:
-            BackendError: a target other than llvm-cpu, or a dynamic K or N.
+            BackendError: a target other than llvm-cpu, a dynamic K or N, or ``splits`` outside the contract.
         """
         if ctx.target != "llvm-cpu":
             raise BackendError(f"DenseMatMul linalg lowering asked for target '{ctx.target}'")
@@ -135,9 +179,16 @@ class DenseMatMul(AbstractOp):
       linalg.yield %vt : f16
     }} -> tensor<?x{n}xf16>
 """
-        body += rows_result(a, n, "%yo" if f16 else "%y", op.result_types[0])
-        if len(op.result_types) > 1:  # A_normed
-            body += "\n" + rows_result(a, k, "%a", op.result_types[1], "%out1")
+        y = "%yo" if f16 else "%y"
+        widths = _widths(op, n)
+        if len(widths) == 1:
+            body += rows_result(a, n, y, op.result_types[0])
+        else:  # splits: the columns of each output, sliced
+            for i, (off, w) in enumerate(zip(np.cumsum([0, *widths[:-1]]), widths)):
+                body += (f"    %ys{i} = tensor.extract_slice {y}[0, {off}] [%m, {w}] [1, 1] : tensor<?x{n}x{el}> to "
+                         f"tensor<?x{w}x{el}>\n" + rows_result(a, w, f"%ys{i}", op.result_types[i], f"%out{i}") + "\n")
+        if len(op.result_types) > len(widths):  # A_normed
+            body += "\n" + rows_result(a, k, "%a", op.result_types[len(widths)], f"%out{len(widths)}")
         return IreeLowering(body=body)
 
     def lower_iree_cuda(self, op: TorchOperator, ctx: PatchContext) -> IreeLowering:
@@ -146,11 +197,13 @@ class DenseMatMul(AbstractOp):
         kernel source's header). Push constants M, K, N (i32). With ``norm_epsilon``: for one row of A,
         ``dense_matmul_norm_<el>`` (bindings A, W, the norm weight, Y, A_normed; the epsilon's float32 bits a
         fourth push constant); for more rows a dispatch of the RMSNorm kernel first
-        (:func:`rewrite.plugins.rmsnorm.op.rms_norm_cuda_dispatch`), whose output is A_normed.
+        (:func:`rewrite.plugins.rmsnorm.op.rms_norm_cuda_dispatch`), whose output is A_normed. With ``splits`` the
+        ``_o2`` kernels (``dense_matmul_o2_<el>``, ``dense_matmul_norm_o2_<el>``): the two outputs bound in place of
+        Y, the first width a last push constant.
 
         Raises:
             BackendError: a target other than cuda, a dynamic K or N, K not a multiple of 8, K over 8192 with
-                ``norm_epsilon``, or a norm weight outside the contract.
+                ``norm_epsilon``, ``splits`` outside the contract, or a norm weight outside the contract.
         """
         if ctx.target != "cuda":
             raise BackendError(f"DenseMatMul CUDA lowering asked for target '{ctx.target}'")
@@ -161,13 +214,20 @@ class DenseMatMul(AbstractOp):
         norm = _norm(op, k)
         if norm is not None and k > CUDA_MAX_H:
             raise BackendError(f"DenseMatMul {op.where}: K={k} with norm_epsilon; the CUDA kernels normalize rows of at most {CUDA_MAX_H}")
-        rows, dyn, result = row_count(a, n)
+        widths = _widths(op, n)
+        g = len(widths)
+        o2, n0 = ("_o2", [f"    %n0 = arith.constant {widths[0]} : i32\n"]) if g == 2 else ("", [])
+        rows, dyn, _ = row_count(a, n)
+        results = [row_count(a, w)[2] for w in widths]
+        outs = "".join(f"    %out{i} = tensor.cast %y#{i} : {r} to {op.result_types[i].builtin}\n" for i, r in enumerate(results))
+        single = f"    %out0 = tensor.cast %y : {results[0]} to {op.result_types[0].builtin}\n"
         one_row = None not in a.dims[:-1] and int(np.prod(a.dims[:-1])) == 1
-        name, kernel, items = f"densemm_exec_{el}", f"dense_matmul_{el}", {}
-        a_in, out1 = "%in0", ""
-        if norm is not None and one_row:  # the norm in the kernel's prologue; A_normed its second output
-            name, kernel = f"densemm_norm_exec_{el}", f"dense_matmul_norm_{el}"
+        name, kernel, items = f"densemm{o2}_exec_{el}", f"dense_matmul{o2}_{el}", {}
+        a_in, normed_out = "%in0", ""
+        if norm is not None and one_row:  # the norm in the kernel's prologue; A_normed its output after the products
+            name, kernel = f"densemm_norm{o2}_exec_{el}", f"dense_matmul_norm{o2}_{el}"
             normed = row_count(a, k)[2]
+            types = ", ".join(f"{r}{dyn}" for r in [*results, normed])
             body = rows + f"""
     %gx = arith.constant {-(-n // (CUDA_THREADS // 32))} : index
     %gy = arith.constant 1 : index
@@ -175,21 +235,22 @@ class DenseMatMul(AbstractOp):
     %k32 = arith.constant {k} : i32
     %n32 = arith.constant {n} : i32
     %eps32 = arith.constant {f32_bits(op.attrs["norm_epsilon"])} : i32
-    %y:2 = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %in2, %m32, %k32, %n32, %eps32) :
-        ({a.builtin}{dyn}, tensor<{n}x{k}x{el}>, {norm.builtin}, i32, i32, i32, i32) -> ({result}{dyn}, {normed}{dyn})
-    %out0 = tensor.cast %y#0 : {result} to {op.result_types[0].builtin}
-"""
-            if len(op.result_types) > 1:
-                body += f"    %out1 = tensor.cast %y#1 : {normed} to {op.result_types[1].builtin}\n"
-            return IreeLowering(body=body, module_items={name: _executable(name, kernel, obj, 3, 2, 4)})
+{"".join(n0)}    %y:{g + 1} = flow.dispatch @{name}::@{kernel}[%gx, %gy](%in0, %in1, %in2, %m32, %k32, %n32, %eps32{", %n0" if n0 else ""}) :
+        ({a.builtin}{dyn}, tensor<{n}x{k}x{el}>, {norm.builtin}, i32, i32, i32, i32{", i32" if n0 else ""}) -> ({types})
+""" + outs
+            if len(op.result_types) > g:
+                body += f"    %out{g} = tensor.cast %y#{g} : {normed} to {op.result_types[g].builtin}\n"
+            return IreeLowering(body=body, module_items={name: _executable(name, kernel, obj, 3, g + 1, 4 + len(n0))})
         if norm is not None:  # several rows: the RMSNorm kernel's dispatch first, its output A_normed
             norm_body, items = rms_norm_cuda_dispatch(ctx, "%in0", f"{a.builtin}{dyn}", "%in2", norm.builtin, "%m", k, el,
                                                       op.attrs["norm_epsilon"], "%an")
             rows += "\n" + norm_body
             a_in = "%an"
-            if len(op.result_types) > 1:
-                out1 = f"    %out1 = tensor.cast %an : {a.builtin} to {op.result_types[1].builtin}\n"
+            if len(op.result_types) > g:
+                normed_out = f"    %out{g} = tensor.cast %an : {a.builtin} to {op.result_types[g].builtin}\n"
         # A and Y go to the kernel in their own shapes: no reshapes around the dispatch (see matmul4's lowering)
+        types = ", ".join(f"{r}{dyn}" for r in results)
+        types = f"({types})" if g > 1 else types
         body = rows + f"""
     %c8 = arith.constant {CUDA_TOKENS} : index
     %gx = arith.constant {-(-n // (CUDA_THREADS // 32))} : index
@@ -197,11 +258,10 @@ class DenseMatMul(AbstractOp):
     %m32 = arith.index_cast %m : index to i32
     %k32 = arith.constant {k} : i32
     %n32 = arith.constant {n} : i32
-    %y = flow.dispatch @{name}::@{kernel}[%gx, %gy]({a_in}, %in1, %m32, %k32, %n32) :
-        ({a.builtin}{dyn}, tensor<{n}x{k}x{el}>, i32, i32, i32) -> {result}{dyn}
-    %out0 = tensor.cast %y : {result} to {op.result_types[0].builtin}
-""" + out1
-        items[name] = _executable(name, kernel, obj, 2, 1, 3)
+{"".join(n0)}    %y{f":{g}" if g > 1 else ""} = flow.dispatch @{name}::@{kernel}[%gx, %gy]({a_in}, %in1, %m32, %k32, %n32{", %n0" if n0 else ""}) :
+        ({a.builtin}{dyn}, tensor<{n}x{k}x{el}>, i32, i32, i32{", i32" if n0 else ""}) -> {types}
+""" + (outs if g > 1 else single) + normed_out
+        items[name] = _executable(name, kernel, obj, 2, g, 3 + len(n0))
         return IreeLowering(body=body, module_items=items)
 
 
@@ -217,17 +277,33 @@ def _executable(name: str, kernel: str, obj: str, read_only: int, written: int, 
             f"    }} <workgroup_size = [{CUDA_THREADS} : index, 1 : index, 1 : index]>\n  }}")
 
 
+def _widths(op: TorchOperator, n: int) -> list[int]:
+    """The product outputs' widths of an imported DenseMatMul (:func:`split_widths`).
+
+    Raises:
+        BackendError: ``splits`` outside the contract, or results other than the widths and an optional A_normed."""
+    try:
+        widths = split_widths(op.attrs.get("splits"), n, f"DenseMatMul {op.where}")
+    except ValueError as e:
+        raise BackendError(str(e)) from None
+    if not len(widths) <= len(op.result_types) <= len(widths) + 1:
+        raise BackendError(f"DenseMatMul {op.where}: {len(op.result_types)} result(s) for {len(widths)} product "
+                           "output(s) and an optional A_normed")
+    return widths
+
+
 def _norm(op: TorchOperator, k: int) -> VTensor | None:
     """The norm weight's type of an imported DenseMatMul with ``norm_epsilon``, else None.
 
     Raises:
-        BackendError: the norm weight, ``norm_epsilon`` and a second output not together, or a weight not [K] of
+        BackendError: the norm weight, ``norm_epsilon`` and the output after the products not together, or a weight not [K] of
             A's element type."""
     types = op.operand_types
     norm = types[2] if len(types) > 2 and types[2].element != "none" else None
-    if (norm is None) != (op.attrs.get("norm_epsilon") is None) or (len(op.result_types) > 1 and norm is None):
-        raise BackendError(f"DenseMatMul {op.where}: the norm weight (input 2) and the second output (A_normed) go "
-                           "with norm_epsilon")
+    products = len(op.attrs.get("splits") or [0])
+    if (norm is None) != (op.attrs.get("norm_epsilon") is None) or (len(op.result_types) > products and norm is None):
+        raise BackendError(f"DenseMatMul {op.where}: the norm weight (input 2) and the output after the products "
+                           "(A_normed) go with norm_epsilon")
     if norm is not None and (norm.dims != [k] or norm.element != types[0].element):
         raise BackendError(f"DenseMatMul {op.where}: norm weight {norm.text}; [{k}] of A's element type expected")
     return norm

@@ -2,8 +2,8 @@
 
 A decoder layer's post-attention norm feeds the router's MatMul, the experts and (Qwen1.5-MoE) the shared expert;
 at decode the norm is a launch of its own (BENCHMARKS.md, "Full-size decode on the H200": a step bound by its
-launches). The first float product reading it (a DenseMatMul, or a MatMul by a float initializer such as the
-router's [H, E] weight, too small for ``dense-float-matmul``) takes the norm's input and weight
+launches). The first float product reading it (a DenseMatMul, or a MatMul or bias-free Gemm by a float initializer
+such as the router's [H, E] weight, too small for ``dense-float-matmul``) takes the norm's input and weight
 (:mod:`rewrite.plugins.densemm.op`, ``norm_epsilon``), and its second output is the normalized row for the norm's
 other readers::
 
@@ -38,23 +38,27 @@ NORM_PROLOGUE = "rms-norm-prologue"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
 
 
-def _weight(graph: Graph, node: Node, k_multiple: int) -> np.ndarray | str | None:
-    """W [N, K] of a product that can take a norm (a DenseMatMul without one, or a MatMul by a float initializer
-    [K, N] read by it only, of A's dtype; A of rank 2 or more, K a multiple of ``k_multiple``), or a refusal
-    reason; None for other nodes."""
+def product_weight(graph: Graph, node: Node, k_multiple: int) -> np.ndarray | str | None:
+    """W [N, K] of a product that can take a norm (a DenseMatMul without one; a MatMul by a float initializer
+    [K, N], or a ``Gemm`` without C, ``transA`` 0 and ``alpha`` 1 by a float initializer [N, K] with ``transB`` 1
+    or [K, N] without (torch.nn.Linear as transformers' OnnxExporter writes it), read by it only and of A's dtype;
+    A of rank 2 or more, K a multiple of ``k_multiple``), or a refusal reason; None for other nodes."""
     if node.domain == DOMAIN and node.op_type == "DenseMatMul":
         if node.attr("norm_epsilon") is not None or len(node.outputs) != 1:
             return None
         w = graph.const(node.inputs[1])
         if w is None:
             return None
-    elif node.domain == "" and node.op_type == "MatMul":
+    elif node.domain == "" and node.op_type in ("MatMul", "Gemm"):
+        if node.op_type == "Gemm" and (len(node.inputs) > 2 and node.inputs[2] or node.attr("transA", 0)
+                                       or node.attr("alpha", 1.0) != 1.0):
+            return None
         w, wv = graph.const(node.inputs[1]), graph.values[node.inputs[1]]
         if w is None or not wv.is_initializer or w.ndim != 2 or wv.dtype not in _FLOATS:
             return None
         if wv.dtype != graph.values[node.inputs[0]].dtype or len(graph.uses(node.inputs[1])) != 1:
             return "the weight is of another dtype than A or read elsewhere too"
-        w = np.ascontiguousarray(w.T)
+        w = w if node.op_type == "Gemm" and node.attr("transB", 0) else np.ascontiguousarray(w.T)
     else:
         return None
     a = graph.values[node.inputs[0]]
@@ -95,7 +99,7 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
         a = node.inputs[0]
         if a in seen:
             continue
-        w = _weight(graph, node, k_multiple)
+        w = product_weight(graph, node, k_multiple)
         if w is None:
             continue
         found, reshape = find_rms_norm(graph, a), None

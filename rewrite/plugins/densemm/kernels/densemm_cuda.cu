@@ -18,6 +18,9 @@
 // (ai.rewrite::RMSNorm's contract), and workgroup 0 also writes it to xn [K] (a second output, for the norm's other
 // readers); push constants m, k, n and the epsilon's float32 bits.
 //
+// *_o2 (the op's ``splits``, two widths: the ``merge-normed-products`` rule's router and shared-expert gate): y's
+// columns go to two outputs, y0 [M, n0] the first n0, y1 [M, N - n0] the rest; n0 a last push constant.
+//
 // One row of x (decode: the norm kernel, and the plain kernel when m is 1): a warp's lanes issue STEPS steps of their
 // row's loads at once (the whole row for K <= 2048 in f16), the norm kernel before its prologue, so the weight
 // bytes are in flight while the workgroup normalizes x (they do not depend on it).
@@ -90,8 +93,17 @@ __device__ __forceinline__ void issue_row(const T* row, int K, Raw8<T> (&wr)[Row
     if (lane * 8 + 256 * d < K) wr[d] = raw8(row + lane * 8 + 256 * d);
 }
 
-template <typename T>
-__device__ void dense_matmul(const T* x, const T* w, T* y, int M, int K, int N) {
+// y[m, n] of the whole product, into y0 or (OUTS = 2, n >= n0) y1
+template <typename T, int OUTS>
+__device__ __forceinline__ void store_col(T* y0, T* y1, int m, int n, int N, int n0, float v) {
+  if (OUTS == 2 && n >= n0)
+    store(y1 + (size_t)m * (N - n0) + (n - n0), v);
+  else
+    store(y0 + (size_t)m * (OUTS == 2 ? n0 : N) + n, v);
+}
+
+template <typename T, int OUTS>
+__device__ void dense_matmul(const T* x, const T* w, T* y, T* y1, int M, int K, int N, int n0) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
   const int m0 = blockIdx.y * TOKENS;
@@ -99,7 +111,7 @@ __device__ void dense_matmul(const T* x, const T* w, T* y, int M, int K, int N) 
   if (M == 1) {  // decode: the one-row path
     Raw8<T> wr[RowSteps<T>::value];
     const float v = row_dot1(x, w + (size_t)n * K, K, wr, false);
-    if (lane == 0) store(y + n, v);
+    if (lane == 0) store_col<T, OUTS>(y, y1, 0, n, N, n0, v);
     return;
   }
   const int tokens = min(TOKENS, M - m0);
@@ -126,14 +138,15 @@ __device__ void dense_matmul(const T* x, const T* w, T* y, int M, int K, int N) 
     float v = acc[t];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0 && t < tokens) store(y + (size_t)(m0 + t) * N + n, v);
+    if (lane == 0 && t < tokens) store_col<T, OUTS>(y, y1, m0 + t, n, N, n0, v);
   }
 }
 
 // one row of x through its RMSNorm (nw, eps) into shared memory, then the product; workgroup 0 also writes the
 // normalized row to xn
-template <typename T>
-__device__ void dense_matmul_norm(const T* x, const T* w, const T* nw, T* y, T* xn, int K, int N, float eps) {
+template <typename T, int OUTS>
+__device__ void dense_matmul_norm(const T* x, const T* w, const T* nw, T* y, T* y1, T* xn, int K, int N, int n0,
+                                  float eps) {
   __shared__ __align__(16) T xs[RMS_NORM_MAX_K];
   const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
   Raw8<T> wr[RowSteps<T>::value];
@@ -148,24 +161,25 @@ __device__ void dense_matmul_norm(const T* x, const T* w, const T* nw, T* y, T* 
   }
   if (n >= N) return;
   const float v = row_dot1<T>(xs, w + (size_t)n * K, K, wr, true);
-  if ((threadIdx.x & 31) == 0) store(y + n, v);
+  if ((threadIdx.x & 31) == 0) store_col<T, OUTS>(y, y1, 0, n, N, n0, v);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_f16(const __half* x, const __half* w, __half* y,
-                                                                       int m, int k, int n) {
-  dense_matmul<__half>(x, w, y, m, k, n);
-}
-extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_f32(const float* x, const float* w, float* y,
-                                                                       int m, int k, int n) {
-  dense_matmul<float>(x, w, y, m, k, n);
-}
-extern "C" __global__ void __launch_bounds__(THREADS)
-    dense_matmul_norm_f16(const __half* x, const __half* w, const __half* nw, __half* y, __half* xn, int m, int k, int n,
-                          int eps_bits) {
-  dense_matmul_norm<__half>(x, w, nw, y, xn, k, n, __int_as_float(eps_bits));
-}
-extern "C" __global__ void __launch_bounds__(THREADS)
-    dense_matmul_norm_f32(const float* x, const float* w, const float* nw, float* y, float* xn, int m, int k, int n,
-                          int eps_bits) {
-  dense_matmul_norm<float>(x, w, nw, y, xn, k, n, __int_as_float(eps_bits));
-}
+#define DENSE(T, el)                                                                                             \
+  extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_##el(const T* x, const T* w, T* y, int m, int k, \
+                                                                          int n) {                                 \
+    dense_matmul<T, 1>(x, w, y, y, m, k, n, n);                                                                    \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_o2_##el(const T* x, const T* w, T* y0, T* y1,  \
+                                                                             int m, int k, int n, int n0) {        \
+    dense_matmul<T, 2>(x, w, y0, y1, m, k, n, n0);                                                                 \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_norm_##el(                                    \
+      const T* x, const T* w, const T* nw, T* y, T* xn, int m, int k, int n, int eps_bits) {                       \
+    dense_matmul_norm<T, 1>(x, w, nw, y, y, xn, k, n, n, __int_as_float(eps_bits));                                \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS) dense_matmul_norm_o2_##el(                                 \
+      const T* x, const T* w, const T* nw, T* y0, T* y1, T* xn, int m, int k, int n, int eps_bits, int n0) {       \
+    dense_matmul_norm<T, 2>(x, w, nw, y0, y1, xn, k, n, n0, __int_as_float(eps_bits));                             \
+  }
+DENSE(__half, f16)
+DENSE(float, f32)
