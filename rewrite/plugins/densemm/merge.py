@@ -27,7 +27,7 @@ from rewrite.core.abstract_ops import DOMAIN
 from rewrite.core.driver import PluginReport
 from rewrite.core.ir import Graph, Node
 from rewrite.core.rules import Builder
-from rewrite.plugins.densemm.prologue import product_weight
+from rewrite.plugins.densemm.prologue import identity_view, product_weight
 
 MERGE = "merge-normed-products"
 
@@ -42,16 +42,12 @@ def _normed(node: Node) -> str | None:
 
 
 def _readers(graph: Graph, normed: str) -> list[tuple[Node, str]]:
-    """``(node, the value it reads)`` for the readers of ``normed`` [rows, K] and of its identity views:
-    ``Reshape(normed, [-1, K])`` of a rank-2 row, which transformers' OnnxExporter writes for each ``view(-1, H)``
-    of an MoE block (Qwen2-MoE's router and shared-expert gate each read one); graph order."""
+    """``(node, the value it reads)`` for the readers of ``normed`` [rows, K] and of its identity views
+    (:func:`rewrite.plugins.densemm.prologue.identity_view`: Qwen2-MoE's router and shared-expert gate through
+    transformers' OnnxExporter each read one), in graph order."""
     out = [(c, normed) for c in graph.consumers(normed)]
-    shape = graph.values[normed].shape
-    if shape is None or len(shape) != 2 or not isinstance(shape[-1], int):
-        return out
-    for r in [c for c, _ in out if c.op_type == "Reshape" and c.domain == "" and c.inputs[0] == normed]:
-        target = graph.const(r.inputs[1]) if len(r.inputs) > 1 else None
-        if target is not None and [int(v) for v in np.ravel(target)] == [-1, shape[-1]]:
+    for r in [c for c, _ in out if c.op_type == "Reshape"]:
+        if identity_view(graph, r.outputs[0]) is r and r.inputs[0] == normed:
             out += [(c, r.outputs[0]) for c in graph.consumers(r.outputs[0])]
     return sorted(out, key=lambda ca: ca[0].order)
 

@@ -10,8 +10,9 @@ other readers::
     N = RMSNorm(X0);  Y = MatMul(N, W);  ... other readers of N
     ->  Y, N' = DenseMatMul(X0, W^T, norm_weight; norm_epsilon);  ... they read N'
 
-N may reach the products through a Reshape that keeps its last axis (an MoE block's ``view(-1, H)``): the norm is
-per row, so the Reshape moves before it (``Reshape(X0)`` is the op's input; the products read N' as they read the
+N may reach the products through a Reshape that keeps its last axis (an MoE block's ``view(-1, H)``), and a
+product through an identity view of that (``Reshape(.., [-1, H])`` of the [T, H] rows, read by it only:
+transformers' OnnxExporter writes Qwen3-MoE's router input so): the norm is per row, so the Reshape moves before it (``Reshape(X0)`` is the op's input; the products read N' as they read the
 Reshape's output).
 
 On CUDA one launch then normalizes the row (every workgroup for itself; workgroup 0 writes N') and computes the
@@ -86,6 +87,18 @@ def _norm_through_reshape(graph: Graph, a: str):
     return found, r
 
 
+def identity_view(graph: Graph, value: str) -> Node | None:
+    """The ``Reshape(v, [-1, K])`` producing ``value`` when v is [rows, K] (rank 2, K static): a view that changes
+    nothing, as transformers' OnnxExporter writes each ``view(-1, H)`` of an MoE block; else None."""
+    r = graph.producer_node(value)
+    if r is None or r.op_type != "Reshape" or r.domain != "" or len(r.inputs) < 2:
+        return None
+    shape, target = graph.values[r.inputs[0]].shape, graph.const(r.inputs[1])
+    if shape is None or len(shape) != 2 or not isinstance(shape[-1], int) or target is None:
+        return None
+    return r if [int(v) for v in np.ravel(target)] == [-1, shape[-1]] else None
+
+
 def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 1, max_k: int | None = None,
                        dry_run: bool = False) -> int:
     """The rule (module docstring): per RMSNorm, the first product reading it (in graph order) takes it. Products
@@ -102,9 +115,13 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
         w = product_weight(graph, node, k_multiple)
         if w is None:
             continue
+        read, view = a, None  # what the product reads; the norm's (reshaped) row, maybe behind an identity view
         found, reshape = find_rms_norm(graph, a), None
         if found is None:
             through = _norm_through_reshape(graph, a)
+            if through is None and (view := identity_view(graph, a)) is not None and len(graph.uses(a)) == 1:
+                a = view.inputs[0]  # Qwen3-MoE through OnnxExporter: norm -> Reshape -> identity Reshape -> router
+                through = _norm_through_reshape(graph, a) if a not in seen else None
             if through is None:
                 continue
             found, reshape = through if isinstance(through, tuple) else (through, None)
@@ -113,17 +130,17 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
             continue
         x0, weight, eps, norm_nodes = found
         av = graph.values[a]
-        if graph.is_graph_output(a) or node.inputs.count(a) != 1:
+        if graph.is_graph_output(a) or node.inputs.count(read) != 1:
             rr.refuse("the norm's output is a graph output or read twice by the product", node.name)
             continue
         misfit = norm_misfit(graph, a, x0, weight, w.shape[1], max_k)
         if misfit is not None:
             rr.refuse(misfit, node.name)
             continue
-        others = [c for c, _ in graph.uses(a) if c != node.id]
+        others = [c for c, _ in graph.uses(a) if c not in (node.id, view.id if view is not None else None)]
         seen.add(a)
         fused += 1
-        rr.applied(removed=len(norm_nodes) + 1 + (reshape is not None), added=1 + (reshape is not None))
+        rr.applied(removed=len(norm_nodes) + 1 + (reshape is not None) + (view is not None), added=1 + (reshape is not None))
         if dry_run:
             continue
         graph.ensure_opset(DOMAIN)
@@ -140,6 +157,8 @@ def fuse_norm_prologue(graph: Graph, report: PluginReport, *, k_multiple: int = 
         outs = [outs] if isinstance(outs, str) else list(outs)
         graph.values[outs[0]].set_type(y.dtype, y.shape)
         graph.replace_node(node, [outs[0]])
+        if view is not None:  # the identity view only the product read
+            graph.remove_node(view)
         if others:
             graph.values[outs[1]].set_type(av.dtype, av.shape)
             graph.replace_all_uses(a, outs[1])
