@@ -65,7 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     cp = cupy_or_exit()
     shipped = ROOT / "rewrite/plugins/attention/kernels/attention_cuda.cu"
-    variants = [parse_variant(v, 0, 0) for v in args.variant] or [dict(name="shipped", source=shipped, defines=[])]
+    variants = [parse_variant(v, 0, 0, 0) for v in args.variant] or [dict(name="shipped", source=shipped, defines=[])]
     # quoted includes: the variant's folder, then the shipped source's
     mods = {v["name"]: cp.RawModule(code=v["source"].read_text(), backend="nvcc",
                                     options=("-O3", f"-I{v['source'].resolve().parent}", f"-I{shipped.parent}",
