@@ -9,14 +9,14 @@ the op's::
     Y, N = DenseMatMul(X, W, nw; norm_epsilon);  G = DenseMatMul(N, Wg)       (or MatMul(N, Wg^T))
     ->  Y, G, N' = DenseMatMul(X, concat(W, Wg), nw; norm_epsilon, splits=[rows of W, rows of Wg])
 
-N' only while the row has other readers. The product may read N through an identity view, ``Reshape(N, [-1, K])``
-of the [rows, K] row (transformers' OnnxExporter writes one for each ``view(-1, H)`` of an MoE block). The candidates are what the prologue rule itself takes
-(:func:`rewrite.plugins.densemm.prologue.product_weight`: a DenseMatMul without a norm or splits, or a MatMul or
-bias-free Gemm by a float initializer read by it only, of A's dtype), here reading the normalized row as A with
-W's K. The contract has two splits, so one product joins each op: the narrowest candidate (the
-gate, rather than a float model's shared-expert gate_proj reading the same row), the first in graph order among
-equals. Every output is computed as before (the same sums in float32, each rounded to A's dtype once). In a dry
-run the prologue rule changes nothing, so this rule counts no match there.
+N' only while the row has other readers. The product may read N through an identity view, ``Reshape(N, [-1, K])`` of
+the [rows, K] row (transformers' OnnxExporter writes one for each ``view(-1, H)`` of an MoE block). The candidates
+are what the prologue rule itself takes (:func:`rewrite.plugins.densemm.prologue.product_weight`: a DenseMatMul
+without a norm or splits, or a MatMul or bias-free Gemm by a float initializer read by it only, of A's dtype), here
+reading the normalized row as A with W's K. The contract has two splits, so one product joins each op: the narrowest
+candidate (the gate, rather than a float model's shared-expert gate_proj reading the same row), the first in graph
+order among equals. Every output is computed as before (the same sums in float32, each rounded to A's dtype once).
+In a dry run the prologue rule changes nothing, so this rule counts no match there.
 """
 
 from __future__ import annotations

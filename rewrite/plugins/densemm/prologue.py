@@ -10,10 +10,10 @@ other readers::
     N = RMSNorm(X0);  Y = MatMul(N, W);  ... other readers of N
     ->  Y, N' = DenseMatMul(X0, W^T, norm_weight; norm_epsilon);  ... they read N'
 
-N may reach the products through a Reshape that keeps its last axis (an MoE block's ``view(-1, H)``), and a
-product through an identity view of that (``Reshape(.., [-1, H])`` of the [T, H] rows, read by it only:
-transformers' OnnxExporter writes Qwen3-MoE's router input so): the norm is per row, so the Reshape moves before it (``Reshape(X0)`` is the op's input; the products read N' as they read the
-Reshape's output).
+N may reach the products through a Reshape that keeps its last axis (an MoE block's ``view(-1, H)``), and a product
+through an identity view of that (``Reshape(.., [-1, H])`` of the [T, H] rows, read by it only: transformers'
+OnnxExporter writes Qwen3-MoE's router input so): the norm is per row, so the Reshape moves before it
+(``Reshape(X0)`` is the op's input; the products read N' as they read the Reshape's output).
 
 On CUDA one launch then normalizes the row (every workgroup for itself; workgroup 0 writes N') and computes the
 product. The norm is the subgraph transformers' RMSNorm exports to or an ``ai.rewrite::RMSNorm``
