@@ -42,16 +42,17 @@ CUDA_TOKENS = 8  #: TOKENS in kernels/densemm_cuda.cu: rows of A per workgroup
 CUDA_K_MULTIPLE = 8  #: K the kernel takes: a multiple of this (16-byte loads of f16)
 
 
-def split_widths(splits, n: int, where: str) -> list[int]:
-    """The product outputs' widths: [N] without ``splits``, else its two widths.
+def split_widths(splits, n: int, where: str, outputs: int | None = None) -> list[int]:
+    """The product outputs' widths: [N] without ``splits``, else its two widths; ``outputs`` (when given), the
+    node's output count, must be theirs or one more (A_normed).
 
     Raises:
-        ValueError: naming ``where``: ``splits`` not two positive widths summing to N."""
-    if splits is None:
-        return [n]
-    widths = [int(v) for v in splits]
-    if len(widths) != 2 or min(widths) < 1 or sum(widths) != n:
+        ValueError: naming ``where``: ``splits`` not two positive widths summing to N, or another output count."""
+    widths = [n] if splits is None else [int(v) for v in splits]
+    if splits is not None and (len(widths) != 2 or min(widths) < 1 or sum(widths) != n):
         raise ValueError(f"{where}: splits {widths}; two positive widths summing to N={n} expected")
+    if outputs is not None and not len(widths) <= outputs <= len(widths) + 1:
+        raise ValueError(f"{where}: {outputs} output(s) for {len(widths)} product output(s) and an optional A_normed")
     return widths
 
 
@@ -113,12 +114,9 @@ class DenseMatMul(AbstractOp):
         if not isinstance(n, int):  # W computed, its rows unknown: the widths are their own sum
             n = sum(int(v) for v in node.attr("splits") or [0])
         try:
-            widths = split_widths(node.attr("splits"), n, where)
+            widths = split_widths(node.attr("splits"), n, where, len(node.outputs))
         except ValueError as e:
             raise BackendError(str(e)) from None
-        if not len(widths) <= len(node.outputs) <= len(widths) + 1:
-            raise BackendError(f"{where}: {len(node.outputs)} output(s) for {len(widths)} product output(s) and an "
-                               "optional A_normed")
         if bool(norm) != (node.attr("norm_epsilon") is not None) or (len(node.outputs) > len(widths) and not norm):
             raise BackendError(f"{where}: the norm weight (input 2) and the output after the products (A_normed) go "
                                "with norm_epsilon")
@@ -283,13 +281,9 @@ def _widths(op: TorchOperator, n: int) -> list[int]:
     Raises:
         BackendError: ``splits`` outside the contract, or results other than the widths and an optional A_normed."""
     try:
-        widths = split_widths(op.attrs.get("splits"), n, f"DenseMatMul {op.where}")
+        return split_widths(op.attrs.get("splits"), n, f"DenseMatMul {op.where}", len(op.result_types))
     except ValueError as e:
         raise BackendError(str(e)) from None
-    if not len(widths) <= len(op.result_types) <= len(widths) + 1:
-        raise BackendError(f"DenseMatMul {op.where}: {len(op.result_types)} result(s) for {len(widths)} product "
-                           "output(s) and an optional A_normed")
-    return widths
 
 
 def _norm(op: TorchOperator, k: int) -> VTensor | None:
