@@ -20,6 +20,9 @@ groups per workgroup (its grid's y divided by N; default the lowering's ``MMA_GA
 ``--mode routed`` (the default)
 gives the kernels the experts and weights, as the ``topk`` router does in the seeds' models; ``logits`` lets them
 route from the router logits.
+Where the source has ``moe_stream2x<D>_f16`` (benchmarks/variants/moe_stream.cu: the layer in one launch at T = 1, its
+weights streamed into shared memory; not shipped) its row ``NAME/st`` follows, on that kernel's grid and shared
+memory (:func:`stream_layout`), checked before timing, on the next launch and after it.
 Where the source has ``moe_fused_f16`` (the one-launch kernel) its row ``NAME/1`` follows: one launch per layer on
 the 1-D grid of both halves' workgroups, checked against the reference before and after it is timed (its
 counters must be back at zero after every launch). Where it has ``moe_sliced16_f16`` / ``moe_sliced32_f16`` (the
@@ -48,6 +51,40 @@ LAYERS = 24  # weight sets: down alone reads 24 x 6 MB per cycle, several times 
 ITERS = 64
 REPS = 20
 F16, INT4, ZERO_POINTS, ROUTED = 1, 2, 16, 32  # the kernels' flags (moe_cuda.cu)
+
+
+#: benchmarks/variants/moe_stream.cu: the down steps D of its exports moe_stream2x<D>_f16 (gate_up's S is 2:
+#: H = 2048), its grid (the SMs of an H100 or H200, at least H / 16) and largest grid, an SM's shared memory
+STREAM_DOWN_STEPS = (2, 4, 6, 8)
+STREAM_WORKGROUPS, STREAM_MAX_G, STREAM_MAX_LOCAL_MEMORY = 132, 256, 232448
+
+
+def _stream_stride(nbytes: int) -> int:
+    """moe_stream.cu's stream_stride: a row of ``nbytes`` in shared memory, padded to 64 bytes past a multiple of
+    128 (rows g and g + 1 on the two halves of the banks)."""
+    return nbytes + (64 - nbytes % 128 + 128) % 128
+
+
+def stream_layout(h: int, i: int, k: int) -> tuple[int, int, int] | None:
+    """(grid G, gate_up groups of a range, dynamic shared memory in bytes) of moe_stream.cu's ``moe_stream2x<D>_f16``
+    at T = 1 for hidden ``h``, expert intermediate ``i`` and top-k ``k`` (f16, INT4 blocks of 128); None where it
+    does not apply (h other than 2048, k * i past its D, more than 8 groups a range, more than an SM's shared
+    memory). The bytes are its ``stream_layout(h, i, k, groups, D).total``: per group slot 16 padded rows of h / 2
+    codes and 48 bytes per block of 128 (16 scales, 16 zero points), the down tile's 16 padded rows of k * i / 2
+    and 48 k bytes per block, x staged (2h) and its sums, the act rows staged for down (8 warps x D x 256) and
+    their sums."""
+    from rewrite.plugins.moe.lowering import cuda_mma_steps
+
+    steps = cuda_mma_steps("f16", BLOCK, h, i, k)
+    if steps is None or steps[0] != 2 or steps[1] not in STREAM_DOWN_STEPS:
+        return None
+    d = steps[1]
+    g = max(STREAM_WORKGROUPS, h // 16)
+    groups = -(-(k * i // 8) // g)
+    nb, nb2 = h // BLOCK, i // BLOCK
+    total = (groups * (16 * _stream_stride(h // 2) + 48 * nb) + 16 * _stream_stride(k * i // 2) + 48 * k * nb2
+             + 2 * h + 8 * nb + 8 * d * 256 + 8 * d * 8)
+    return (g, groups, total) if g <= STREAM_MAX_G and groups <= 8 and total <= STREAM_MAX_LOCAL_MEMORY else None
 
 
 def cupy_or_exit():
@@ -147,6 +184,12 @@ def main() -> int:
                                                mod.get_function(f"moe_down_mma{steps[1]}_f16"))
                 except Exception:
                     pass
+        v["stream"] = {}  # down's D -> moe_stream2x<D>_f16, in sources that have it
+        for d in STREAM_DOWN_STEPS:
+            try:
+                v["stream"][d] = mod.get_function(f"moe_stream2x{d}_f16")
+            except Exception:
+                pass
         try:  # the one-launch kernel, in sources that have it
             v["fused"] = mod.get_function("moe_fused_f16")
         except Exception:
@@ -261,6 +304,27 @@ def main() -> int:
                     print(f"{name:<18} {t:>2} {label:<12} {us['gate_up']:>8.1f} {us['down']:>8.1f} {both:>8.1f} "
                           f"{total / 1e6:>6.2f} {total / both / 1e3:>6.0f} {total / both / 1e3 / (bw / 1e9):>8.1%}  {check}",
                           flush=True)
+                    layout = stream_layout(h, i, k)
+                    stream = v["stream"].get(cuda_mma_steps("f16", BLOCK, h, i, k)[1]) if layout and t == 1 else None
+                    if stream is not None:
+                        G, slots, smem = layout
+                        stream.max_dynamic_shared_size_bytes = smem
+
+                        def one_stream(layer, kern=stream, G=G, slots=slots, smem=smem):  # dispatch site 0
+                            d = layers[layer][1]
+                            kern((G,), (CUDA_THREADS,),
+                                 (dx, dl, given, d["fc1"], d["s1"], d["z1"], dummy_b, d["fc2"], d["s2"], d["z2"], dummy_b,
+                                  dummy_b, dummy_b, out, act, *consts, np.int32(slots), np.int32(0), np.int32(0)),
+                                 shared_mem=smem)
+
+                        checks = [error_of(one_stream), error_of(one_stream)]  # a launch, then the next one
+                        us1 = timed(cp, [lambda n=n: one_stream(n % LAYERS) for n in range(ITERS)], args.reps)
+                        checks.append(error_of(one_stream))  # and after thousands of launches
+                        err = max(checks)
+                        check = f"rel. error {err:.1e} {'ok' if err <= 1e-2 else 'WRONG'} (streamed; {len(checks)} checks)"
+                        print(f"{name:<18} {t:>2} {v['name'] + '/st':<12} {'':>8} {'':>8} {us1:>8.1f} "
+                              f"{total / 1e6:>6.2f} {total / us1 / 1e3:>6.0f} {total / us1 / 1e3 / (bw / 1e9):>8.1%}  "
+                              f"{check}", flush=True)
                     for sl, kern in v["sliced"].items():
                         if h * sl // 2 > 32768:  # SLICE_DOWN_BYTES: the slice's down codes in shared memory
                             continue
