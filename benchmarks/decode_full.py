@@ -270,13 +270,40 @@ PROFILE_STEPS = 8
 
 
 STEP_RANGE, ARGMAX_RANGE = "decode step", "argmax"  #: record_function ranges of :func:`kernel_profile`
+#: kineto's activity types of GPU work: kernels, copies and memsets; not the record_function ranges CUPTI also puts
+#: on the GPU's timeline (``gpu_user_annotation``: a step's whole span) nor CUPTI's own ``overhead`` records
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_work(prof) -> list[tuple[str, int, int]]:
+    """The GPU work a ``torch.profiler`` run recorded, as (name, start ns, end ns): the events of
+    :data:`GPU_WORK` types with a duration. Where kineto names no event so (a torch that spells its activity types
+    otherwise), every GPU event but the :data:`STEP_RANGE` and :data:`ARGMAX_RANGE` ranges."""
+    gpu = [e for e in prof.profiler.kineto_results.events()
+           if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0]
+    work = ([e for e in gpu if e.activity_type() in GPU_WORK]
+            or [e for e in gpu if e.name() not in (STEP_RANGE, ARGMAX_RANGE)])
+    return [(e.name(), e.start_ns(), e.start_ns() + e.duration_ns()) for e in work]
+
+
+def kernel_rows(prof, steps: int) -> list[dict]:
+    """Per name of :func:`gpu_work`'s records: ``{"kernel", "us_per_token", "launches_per_token"}`` over ``steps``
+    tokens (unsorted)."""
+    per_kernel: dict[str, list[float]] = {}
+    for name, start, end in gpu_work(prof):
+        total = per_kernel.setdefault(name, [0.0, 0])
+        total[0] += (end - start) / 1e3
+        total[1] += 1
+    return [{"kernel": name, "us_per_token": us / steps, "launches_per_token": n / steps}
+            for name, (us, n) in per_kernel.items()]
 
 
 def kernel_profile(step, token: int, steps: int = PROFILE_STEPS, decode=None) -> tuple[list[dict], dict]:
-    """GPU time per decode token of each kernel that ``steps`` more one-token ``step`` calls launch, from CUPTI
-    through ``torch.profiler`` (it sees every CUDA context of the process: IREE's and ONNX Runtime's kernels too),
-    largest first: ``{"kernel", "us_per_token", "launches_per_token"}``; and the timeline of those steps
-    (:func:`timeline`, with the host's phases of :func:`host_phases` under ``"host"``). ``decode(token, count)``:
+    """GPU time per decode token of each kernel, copy and memset that ``steps`` more one-token ``step`` calls
+    launch, from CUPTI through ``torch.profiler`` (it sees every CUDA context of the process: IREE's and ONNX
+    Runtime's kernels too; :func:`gpu_work`: not the ranges, not PyTorch's operators, whose device time is their
+    kernels' again), largest first: ``{"kernel", "us_per_token", "launches_per_token"}``; and the timeline of those
+    steps (:func:`timeline`, with the host's phases of :func:`host_phases` under ``"host"``). ``decode(token, count)``:
     the steps made by one such call instead (the device's loop: no per-step host phases). Both empty when the
     profiler fails."""
     try:
@@ -292,8 +319,7 @@ def kernel_profile(step, token: int, steps: int = PROFILE_STEPS, decode=None) ->
                 with record_function(ARGMAX_RANGE):
                     token = greedy_token(logits[0, -1])
             wall = time.perf_counter() - t0
-        rows = [{"kernel": e.key, "us_per_token": e.device_time_total / steps, "launches_per_token": e.count / steps}
-                for e in prof.key_averages() if e.device_time_total > 0]
+        rows = kernel_rows(prof, steps)
     except Exception as e:  # a profiler that cannot attach must not cost the run's other numbers
         print(f"  profile failed: {type(e).__name__}: {e}", flush=True)
         return [], {}
@@ -315,13 +341,12 @@ def host_phases(prof) -> dict:
     call's end: the host's work once the GPU is done), ``argmax`` and ``between_steps`` (the loop's own time); and
     ``api``: each CUDA driver or runtime call the steps made, ``{name: [calls per step, us per step]}``, largest
     first (a synchronization there is the host waiting for the GPU)."""
-    cpu, api, gpu_ends = {}, {}, []
+    cpu, api, gpu_ends = {}, {}, [end for _, _, end in gpu_work(prof)]
     for e in prof.profiler.kineto_results.events():
         name, start, dur = e.name(), e.start_ns(), e.duration_ns()
         if "cuda" in str(e.device_type()).lower():
-            if dur > 0:
-                gpu_ends.append(start + dur)
-        elif name in (STEP_RANGE, ARGMAX_RANGE):
+            continue
+        if name in (STEP_RANGE, ARGMAX_RANGE):
             cpu.setdefault(name, []).append((start, start + dur))
         elif name.startswith("cu"):
             api.setdefault(name, []).append((start, dur))
@@ -352,21 +377,19 @@ def host_phases(prof) -> dict:
 
 
 def timeline(prof, steps: int, wall_s: float) -> dict:
-    """Where a profiled step's time goes, from the GPU activities' start and end times (ns, CUPTI): per token the
-    wall time of the calls (``wall_us``, under the profiler), the time from the first activity's start to the
-    last one's end (``span_us``), the time some activity ran (``busy_us``: the GPU is idle for span - busy), and
-    the gaps between one activity's end and the next one's start (``gap_median_us``, ``gap_p90_us``). A busy
+    """Where a profiled step's time goes, from the GPU work's start and end times (ns, CUPTI; :func:`gpu_work`): per
+    token the wall time of the calls (``wall_us``, under the profiler), the time from the first activity's start
+    to the last one's end (``span_us``), the time some activity ran (``busy_us``: the GPU is idle for span -
+    busy), and the gaps between one activity's end and the next one's start (``gap_median_us``, ``gap_p90_us``). A busy
     time near the span means the GPU is the bound; gaps of microseconds between short kernels mean it waits for
     the host's launches. With the driver API calls in the trace: the median time inside one ``cuLaunchKernel``
     (``launch_api_us``) and the median time from one launch call's start to the next one's (``launch_interval_us``):
     the rest of the interval is the runtime's own work per launch (IREE's replay of the command buffer). Empty when
     the profiler gives no activity times."""
-    spans, launches = [], []
-    for e in prof.profiler.kineto_results.events():
-        if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0:
-            spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
-        elif e.name().startswith(("cuLaunchKernel", "cudaLaunchKernel")):
-            launches.append((e.start_ns(), e.duration_ns()))
+    spans = [(start, end) for _, start, end in gpu_work(prof)]
+    launches = [(e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
+                if "cuda" not in str(e.device_type()).lower()
+                and e.name().startswith(("cuLaunchKernel", "cudaLaunchKernel"))]
     if not spans:
         return {}
     spans.sort()

@@ -22,7 +22,7 @@ gives the kernels the experts and weights, as the ``topk`` router does in the se
 route from the router logits.
 Where the source has ``moe_stream2x<D>_f16`` (benchmarks/variants/moe_stream.cu: the layer in one launch at T = 1, its
 weights streamed into shared memory; not shipped) its row ``NAME/st`` follows, on that kernel's grid and shared
-memory (:func:`stream_layout`), checked before timing, on the next launch and after it.
+memory (:func:`stream_layout`), checked before timing, on the next launch and after it (not with ``--once``).
 Where the source has ``moe_fused_f16`` (the one-launch kernel) its row ``NAME/1`` follows: one launch per layer on
 the 1-D grid of both halves' workgroups, checked against the reference before and after it is timed (its
 counters must be back at zero after every launch). Where it has ``moe_sliced16_f16`` / ``moe_sliced32_f16`` (the
@@ -54,9 +54,10 @@ F16, INT4, ZERO_POINTS, ROUTED = 1, 2, 16, 32  # the kernels' flags (moe_cuda.cu
 
 
 #: benchmarks/variants/moe_stream.cu: the down steps D of its exports moe_stream2x<D>_f16 (gate_up's S is 2:
-#: H = 2048), its grid (the SMs of an H100 or H200, at least H / 16) and largest grid, an SM's shared memory
+#: H = 2048), its grid (the SMs of an H100 SXM or H200, at least H / 16; on fewer SMs it still ends, see the
+#: kernel's comment) and largest grid, an SM's shared memory for a workgroup
 STREAM_DOWN_STEPS = (2, 4, 6, 8)
-STREAM_WORKGROUPS, STREAM_MAX_G, STREAM_MAX_LOCAL_MEMORY = 132, 256, 232448
+STREAM_WORKGROUPS, STREAM_MAX_G, STREAM_MAX_LOCAL_MEMORY = 132, 256, 232448 - 8192  # room for its static 4.8 KB
 
 
 def _stream_stride(nbytes: int) -> int:

@@ -45,8 +45,9 @@ __device__ __forceinline__ void stage_sums(float s, float xs, int g0, int n, flo
 // of the k * I / 8 groups of 8 gate and 8 up rows) and its tile of down (rows 16 r .. 16 r + 15 of H, all k
 // experts), about 175 KB a workgroup at the seeds' shapes, so the layer's bytes stream from HBM at once. Once
 // its groups land it computes them (the tensor-core steps of the pair, reading the codes from shared memory;
-// each warp its S blocks of H of every group), publishes its act values, waits until every range is published, then computes its down tile from the copy
-// already in shared memory: one wait in the layer instead of a launch boundary.
+// each warp its S blocks of H of every group), publishes its act values, waits until every range is published,
+// then computes its down tile from the copy already in shared memory: one wait in the layer instead of a launch
+// boundary.
 //
 // Ranges, the wait and why it ends. A workgroup's range is its arrival index a % G, where a counts the
 // workgroups of every launch of this dispatch site (a 64-bit counter in this module's memory, zero when the
@@ -56,9 +57,11 @@ __device__ __forceinline__ void stage_sums(float s, float xs, int g0, int n, flo
 // workgroups have not started (a GPU with fewer SMs than G: workgroups that wait hold their SMs). The waiting
 // workgroups therefore compute those ranges' gate_up groups themselves, each range taken by one of them
 // (taken[r]: atomicMax to n + 1); a late workgroup that arrives afterwards computes its range again, writing the
-// same act values and the same flag (the same arithmetic in the same order), and only then its down tile, which
-// no other workgroup touches (the output is written once, as the addend it holds requires). No counter is ever
-// reset: no atomic at the end of the launch.
+// same act values and the same flag (the same arithmetic in the same order; other workgroups may be reading
+// those act values meanwhile, which is a race on equal bits), and only then its down tile, which no other
+// workgroup touches (the output is written once, as the addend it holds requires). No counter is ever reset: no
+// atomic at the end of the launch. This assumes the launches of one site run one after another (one stream, no
+// programmatic dependent launch) and all with the same G.
 #define STREAM_SITES 256  // dispatch sites of a module
 #define STREAM_MAX_G 256  // largest grid
 __device__ unsigned long long moe_stream_arrive[STREAM_SITES];
@@ -298,6 +301,7 @@ __device__ void stream(const __half* x, const __half* logits, const long long* g
   stream_groups<S>(dyn + L.gates, L.gbytes, n0, n1, ids, b1, act, H, I, flags, L.gstride, xs, xsum, red3, alpha, beta,
                    limit, done + r, launch + 1);
 #ifdef STREAM_GATE_ONLY  // a variant: no wait, no down
+  cp_async_wait(0);
   return;
 #endif
 #ifndef STREAM_NO_WAIT  // a variant: down without the wait
