@@ -25,13 +25,37 @@ from rewrite.errors import RewriteError
 console = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 140), highlight=False)
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
+def _tolerance(v: float | None) -> float | None:
+    """A tolerance option's value: None, or a finite number >= 0.
+
+    Raises:
+        click.BadParameter: negative, NaN or infinite.
+    """
+    if v is not None and not (np.isfinite(v) and v >= 0):
+        raise click.BadParameter(f"{v}: expected a finite number >= 0")
+    return v
+
+
 def _parse_dims(dims: tuple[str, ...]) -> dict[str, int]:
+    """``--dim NAME=INT`` (repeatable) -> ``{NAME: INT}``; a dim is a size: 0 to 2^63 - 1, each name once.
+
+    Raises:
+        click.BadParameter: not NAME=INT, a size out of that range, a name given twice with other sizes.
+    """
     out = {}
     for d in dims:
         k, sep, v = d.partition("=")
-        if not sep or not v.strip().lstrip("-").isdigit():
-            raise click.BadParameter(f"'{d}': expected NAME=INT, e.g. seq_len=1", param_hint="--dim")
-        out[k.strip()] = int(v)
+        k, v = k.strip(), v.strip()
+        if not sep or not k or not v.isdigit():
+            raise click.BadParameter(f"'{d}': expected NAME=INT with INT >= 0, e.g. seq_len=1", param_hint="--dim")
+        if int(v) > _INT64_MAX:
+            raise click.BadParameter(f"'{d}': {v} is past an ONNX dim's int64 range", param_hint="--dim")
+        if out.get(k, int(v)) != int(v):
+            raise click.BadParameter(f"'{d}': {k} is already {out[k]}", param_hint="--dim")
+        out[k] = int(v)
     return out
 
 
@@ -84,18 +108,55 @@ def plugins_cmd() -> None:
     console.print(t)
 
 
-def _check_writable(option: str, path: str | None, out_dir: str | None = None) -> None:
+def _check_writable(option: str, path: str | None, out_dir: str | None = None, model: str | None = None) -> None:
     """A file option's folder must exist before any work starts (not fail after the output folder is written);
-    the output folder itself counts as existing (it is written before the file).
+    the output folder itself counts as existing (it is written before the file). The file must not be the output
+    folder, nor ``model`` or one of its external data files (it would be overwritten with JSON).
 
     Raises:
-        click.UsageError: the folder is missing or is not a folder.
+        click.UsageError: the folder is missing or is not a folder; the path is the output folder, the model or
+            its external data.
     """
     if not path:
         return
-    parent = Path(path).resolve().parent
+    target = Path(path).resolve()
+    parent = target.parent
     if not parent.is_dir() and not (out_dir and parent == Path(out_dir).resolve()):
         raise click.UsageError(f"{option} {path}: folder '{Path(path).parent}' does not exist")
+    if out_dir and target == Path(out_dir).resolve():
+        raise click.UsageError(f"{option} {path}: that is the output folder; give a file")
+    if model and target.exists() and _is_model_file(target, Path(model)):
+        raise click.UsageError(f"{option} {path}: that is the model {model} or one of its external data files; "
+                               "give another file")
+
+
+def _is_model_file(target: Path, model: Path) -> bool:
+    """Whether ``target`` (resolved, existing) is ``model`` or a file its initializers' external data lives in."""
+    if not model.is_file():
+        return False
+    if target == model.resolve():
+        return True
+    folder = model.resolve().parent
+    if folder not in target.parents:
+        return False
+    from rewrite.core.onnx_io import external_locations, read_model
+
+    try:
+        locations = external_locations(read_model(model))
+    except RewriteError:
+        return False  # an unreadable model is reported by the command itself
+    return any((folder / loc).resolve() == target for loc in locations)
+
+
+def _check_not_in_folder(option: str, path: str | None, out_dir: str) -> None:
+    """After apply replaced ``out_dir``: a file option's path there must not be one of the folder's own files.
+
+    Raises:
+        click.UsageError: it is (the report or stages file is not written).
+    """
+    if path and Path(path).exists() and Path(out_dir).resolve() in Path(path).resolve().parents:
+        raise click.UsageError(f"{option} {path}: a file of the output folder {out_dir} ({Path(path).name}); "
+                               "not overwritten: give another name")
 
 
 def _print_report(report: list[dict]) -> None:
@@ -165,10 +226,10 @@ def _names(names: list[str], shown: int = 6) -> str:
 
 @cli.command("apply")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--plugins", "plugin_names", default="", help="Comma-separated short names, applied in order (see 'rewrite plugins').")
+@click.option("--plugins", "plugin_names", default="", help="Comma-separated short names, run in the order their dependencies give, whatever the order here (see 'rewrite plugins').")
 @click.option("--backend", type=click.Choice(["ort", "iree"]), default="ort", show_default=True)
 @click.option("--target", default=None, help="ort: cpu (default) or cuda; iree: llvm-cpu (default) or cuda.")
-@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Output folder (replaced); required unless --dry-run.")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Output folder (an earlier output folder of apply is replaced; another non-empty folder is refused); required unless --dry-run.")
 @click.option("--dim", "dims", multiple=True, help="Fix a symbolic dim, NAME=INT (repeatable).")
 @click.option("--opt", "opts", multiple=True, metavar="PLUGIN.KEY=VALUE", help="A plugin option, e.g. quant4.block_size=64 (repeatable).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write the plugin report as JSON.")
@@ -191,7 +252,7 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
     """Rewrite MODEL with --plugins and lower it for --backend into OUT."""
     from rewrite.core.stages import Listener, recording
 
-    _check_writable("--stages", stages_path, None if dry_run else out_dir)
+    _check_writable("--stages", stages_path, None if dry_run else out_dir, model)
     bars = contextlib.nullcontext(Listener()) if quiet or not sys.stderr.isatty() else _ProgressBars()
     with bars as listener, recording(listener) as rec:
         _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful,
@@ -205,8 +266,12 @@ def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_pat
 
     expected = parse_expect(expect)
     options = _parse_opts(opts)
-    _check_writable("--report", report_path, None if dry_run else out_dir)
+    _check_writable("--report", report_path, None if dry_run else out_dir, model)
+    if report_path and stages_path and Path(report_path).resolve() == Path(stages_path).resolve():
+        raise click.UsageError(f"--report and --stages are both {report_path}; give two files")
     if max_seq is not None:
+        if options.get("kv", {}).get("max_seq", max_seq) != max_seq:
+            raise click.UsageError(f"--max-seq {max_seq} and --opt kv.max_seq={options['kv']['max_seq']} disagree; give one")
         options.setdefault("kv", {})["max_seq"] = max_seq
     if cuda_sm is not None:
         if backend != "iree" or target != "cuda":
@@ -231,6 +296,8 @@ def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_pat
         m = apply(model, out_dir, plugins=plugin_names, backend=backend, target=target, dims=_parse_dims(dims), options=options,
                   freeze_inputs=freeze_inputs)
         report = m.report
+        for option, path in (("--report", report_path), ("--stages", stages_path)):
+            _check_not_in_folder(option, path, out_dir)
     _print_report(report)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=1) + "\n")
@@ -264,7 +331,7 @@ def explain_cmd(model, plugin_names, node, dims, show_all, json_path, freeze_inp
     """Why each rule of --plugins did (not) fire on MODEL: best partial match and the reason it stopped."""
     from rewrite.explain import explain
 
-    _check_writable("--json", json_path)
+    _check_writable("--json", json_path, model=model)
     exps = explain(model, plugin_names, node=node, dims=_parse_dims(dims), freeze_inputs=freeze_inputs, backend=backend)
     for e in exps:
         if show_all or e.status != "fired":
@@ -303,7 +370,7 @@ def run_cmd(folder, inputs_path, seed, save_path, low_memory) -> None:
 @cli.command("generate")
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.option("--prompt-ids", required=True, help="Comma-separated prompt token ids, e.g. 1,2,3.")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True)
 @click.option("--compare", "compare_model", type=click.Path(dir_okay=False), default=None,
               help="Also run this ONNX model (e.g. the source, or the quant4 model for a quant4 folder) on ONNX Runtime "
                    "at the basic level, fed the same tokens, and compare the logits of every call (exit 1 past tolerance).")
@@ -322,9 +389,11 @@ def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model, low_memory, 
     from rewrite.generate import Generator
 
     try:
-        ids = [int(t) for t in prompt_ids.split(",") if t.strip()]
+        ids = [int(t) for t in prompt_ids.split(",")]
     except ValueError:
         raise click.BadParameter(f"'{prompt_ids}': expected comma-separated integers", param_hint="--prompt-ids") from None
+    if any(not 0 <= t <= _INT64_MAX for t in ids):
+        raise click.BadParameter(f"'{prompt_ids}': token ids are int64 and not negative", param_hint="--prompt-ids")
     from rewrite.backends import needs_low_memory
 
     low_memory = needs_low_memory(folder) if low_memory is None else low_memory
@@ -374,7 +443,8 @@ def _compare_decoding(model: str, folder: str, ids: list[int], res, low_memory: 
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False), help=".npz of inputs by name (default: generated).")
-@click.option("--rtol", type=float, default=None, help="Relative tolerance for float outputs (default by dtype: f32 1e-4, f16 1e-2).")
+@click.option("--rtol", type=float, default=None, callback=lambda ctx, param, v: _tolerance(v),
+              help="Relative tolerance for float outputs (default by dtype: f32 1e-4, f16 1e-2).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--locate", is_flag=True, help="Expose intermediate values and name the first node that differs.")
 @click.option("--low-memory/--no-low-memory", "low_memory", default=None,

@@ -179,7 +179,10 @@ def preview(model: str | os.PathLike, plugins: list[str] | str, *, dims: dict[st
     """``rewrite apply --dry-run``: run the plugins in memory, with the context ``apply`` would give them
     (``backend``, ``target`` (default the backend's first), plugin ``options``, ``freeze_inputs``), and return
     their reports; nothing is lowered or written. Raises RewriteError like ``rewrite apply``."""
+    from rewrite.pipeline import check_options
+
     selected = select_plugins(plugins)
+    check_options(dict(options or {}), selected)
     graph = _load(model, selected, dims, freeze_inputs)
     from rewrite.backends import get_backend
 

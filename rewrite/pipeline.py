@@ -70,12 +70,15 @@ BACKEND_OPTIONS = frozenset({"stateful", "param_threshold", "ort_matmul_nbits", 
 
 
 def check_options(options: dict, plugins: list[Plugin]) -> None:
-    """Raises RewriteError for options addressed to a plugin that is not selected (a typo would otherwise
-    be ignored silently)."""
+    """Raises RewriteError for options addressed to a plugin that is not selected, or to one that takes none (a
+    typo would otherwise be ignored silently)."""
     shorts = {p.short for p in plugins}
     for key in options:
         if key not in BACKEND_OPTIONS and key not in shorts:
             raise RewriteError(f"options given for plugin '{key}', which is not among --plugins ({', '.join(sorted(shorts)) or 'none'})")
+    for p in plugins:
+        if not p.takes_options and options.get(p.short):
+            raise RewriteError(f"option '{p.short}.{sorted(options[p.short])[0]}': plugin '{p.short}' takes no options")
 
 
 def rewrite_graph(graph: Graph, plugins: list[Plugin], ctx: RewriteContext, *, dry_run: bool = False) -> list[PluginReport]:
@@ -206,8 +209,9 @@ def apply(
             with stage(f"lower {backend}/{target}"):
                 be.lower(graph, tmp, manifest, options=ctx.options, lowerings=lowerings.for_target(backend, target))
         except BackendError as e:
-            if not (tmp / "compile.log").exists():
-                raise
+            if not (tmp / "compile.log").exists():  # name the requested folder, not the staging one that goes
+                raise BackendError(str(e).replace(str(tmp), str(out_dir)) + f" (the lowered model; {out_dir} not "
+                                   "written)" if str(tmp) in str(e) else str(e)) from e
             # a failed compile is debugged from its MLIR and log: keep them beside the requested folder
             kept = out_dir.parent / f"{out_dir.name}.failed"
             shutil.rmtree(kept, ignore_errors=True)

@@ -60,12 +60,22 @@ def _model_shell(model: onnx.ModelProto) -> onnx.ModelProto:
     return shell
 
 
+def external_locations(model: onnx.ModelProto) -> set[str]:
+    """The external-data ``location`` of every initializer of ``model`` that keeps its bytes outside the file."""
+    return {e.value for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+            for e in t.external_data if e.key == "location"}
+
+
 def _check_external_data(model: onnx.ModelProto, base_dir: str, where: str) -> None:
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
         info = {e.key: e.value for e in t.external_data}
         loc = info.get("location", "")
+        # ONNX external data lives beside the model (onnx.external_data_helper): a relative path, no way out
+        if loc and (os.path.isabs(loc) or os.path.normpath(loc).split(os.sep)[0] == os.pardir):
+            raise ModelLoadError(f"{where}: initializer '{t.name}' has its external data at '{loc}', outside the "
+                                 f"model's folder; expected a path relative to {base_dir or '.'} inside it")
         path = os.path.join(base_dir, loc)
         if not loc or not os.path.isfile(path):
             raise ModelLoadError(f"{where}: initializer '{t.name}' needs external data file '{loc}', not found in {base_dir or '.'}")

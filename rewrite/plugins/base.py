@@ -41,6 +41,8 @@ class Plugin:
         runs_before, runs_after: short names of plugins this one must run before / after when both are
             selected; ``--plugins`` in any order then gives the same result (`rewrite.plugins.manager.select_plugins`).
         lossy: the plugin changes outputs by design (``quant4``); ``verify`` says so when a folder used it.
+        takes_options: False where the plugin reads no ``--opt``: ``apply`` then refuses options given to it (a
+            plugin that reads options checks their keys itself).
     """
 
     name: ClassVar[str] = ""
@@ -52,6 +54,7 @@ class Plugin:
     runs_before: ClassVar[tuple[str, ...]] = ()
     runs_after: ClassVar[tuple[str, ...]] = ()
     lossy: ClassVar[bool] = False
+    takes_options: ClassVar[bool] = True
 
     @property
     def rules(self) -> list[Rule]:

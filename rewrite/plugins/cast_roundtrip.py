@@ -41,6 +41,7 @@ def _(m, b):
 class CastRoundtrip(Plugin):
     name = "cast-roundtrip"
     short = "cast"
+    takes_options = False
     description = "Remove Cast(T->W)->Cast(W->T) when W holds every value of T"
     opset_range = (6, 28)
 

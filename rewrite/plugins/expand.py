@@ -323,6 +323,7 @@ class ExpandShapes(Plugin):
 
     name = "expand-shape"
     short = "expand"
+    takes_options = False
     description = "Recover Expand output shapes through Shape/Gather/Concat/Where/Equal chains (seed A4)"
     opset_range = (8, 28)
 

@@ -154,6 +154,12 @@ def growing_caches(graph: Graph) -> list[Node]:
     return out
 
 
+#: the longest static cache ``to_static_cache`` builds: 2^22 positions. A cache's inputs are [B, H, N, D] per
+#: layer, so that many positions of Qwen3-30B-A3B (48 layers, 4 KV heads of 128, fp16) are 400 GB: more than any
+#: one GPU holds
+MAX_SEQ_LIMIT = 1 << 22
+
+
 def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run: bool = False) -> int:
     """Turn transformers' growing cache into a static cache of ``max_seq`` positions (seed 000, item 10).
 
@@ -176,7 +182,8 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
 
     Raises:
         RewriteError: the past length is read in a way this conversion does not rewrite (the graph would
-            silently compute with ``max_seq`` as the past length), or ``max_seq`` is not positive; the caches do
+            silently compute with ``max_seq`` as the past length), or ``max_seq`` is not positive or past
+            :data:`MAX_SEQ_LIMIT`; the caches do
             not grow by one new length, a past has a fixed length, another input has a dim of a past length
             (a cache trimmed to a window), or one ``P + n`` is both the positions' limit and read otherwise.
     """
@@ -184,8 +191,8 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
     rep = report.rule("static-cache")
     if not concats:
         return 0
-    if max_seq <= 0:
-        raise RewriteError(f"--max-seq {max_seq}: must be positive")
+    if not 0 < max_seq <= MAX_SEQ_LIMIT:
+        raise RewriteError(f"--max-seq {max_seq}: must be positive and at most {MAX_SEQ_LIMIT}")
     pasts = [n.inputs[0] for n in concats]
     past_sym = {p: graph.values[p].shape[2] for p in pasts}
     ev = SymbolicEvaluator(graph)
@@ -447,7 +454,11 @@ class KVCache(Plugin):
             raise RewriteError(f"kv: unknown option '{unknown[0]}'; options: max_seq")
         max_seq = opts.get("max_seq")
         if max_seq is not None:
-            to_static_cache(graph, int(max_seq), report, dry_run=dry_run)
+            if not isinstance(max_seq, int) or isinstance(max_seq, bool):
+                raise RewriteError(f"kv: option 'max_seq' must be an integer (got {max_seq!r})")
+            if not 0 < max_seq <= MAX_SEQ_LIMIT:
+                raise RewriteError(f"--max-seq {max_seq}: must be positive and at most {MAX_SEQ_LIMIT}")
+            to_static_cache(graph, max_seq, report, dry_run=dry_run)
         apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
         if not dry_run and report.matches:
             if graph.opset(DOMAIN) is None:  # shape inference and the importer need the domain declared

@@ -311,6 +311,7 @@ def _clear_4bit_types_below(graph: Graph, value: str) -> None:
 class Legalize(Plugin):
     name = "legalize-iree-import"
     short = "legalize"
+    takes_options = False
     description = ("Rewrite what IREE's importer or compiler rejects: blocked DequantizeLinear, 4-bit initializers, "
                    "empty scatters, ScatterND of whole rows, scatters into a shared splat, run-time sorts of integers written as TopK")
     opset_range = (13, 28)

@@ -61,6 +61,7 @@ def _(m, b):
 class RmsNorm(Plugin):
     name = "rms-norm"
     short = "norm"
+    takes_options = False
     # rope takes the per-head norms before RoPE into its own op first; legalize rewrites for IREE what is left
     runs_after = ("cast", "rope")
     runs_before = ("legalize",)

@@ -136,6 +136,7 @@ def _(m, b):
 class Rope(Plugin):
     name = "rotary-embedding"
     short = "rope"
+    takes_options = False
     # cast drops Cast pairs first; legalize rewrites for IREE what is left (its Split/Slice forms among it); kv's
     # cache writes take the rotated keys as they are
     runs_after = ("cast",)

@@ -193,6 +193,7 @@ class RouterTopK(Plugin):
 
     name = "router-topk"
     short = "topk"
+    takes_options = False
     description = ("Softmax->[Cast]->TopK [->renormalize], TopK->Softmax, grouped (biased, group-limited) and sparsemixer "
                    "(PhiMoE) routers -> one MoERouterTopK op (C kernel on IREE, built with nvcc for CUDA)")
     opset_range = (13, 28)

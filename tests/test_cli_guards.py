@@ -1,0 +1,135 @@
+"""The command line refuses, before any work and in one line, what would overwrite the model or the output
+folder, external data outside the model's folder, option values out of range, and options nobody reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from test_cli import rewrite, small_model
+
+
+def external_model(folder, location: str):
+    """y = x @ W with W [4, 4] f32 stored as external data at ``location`` (relative to ``folder``, unchecked)."""
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")
+    w.ClearField("raw_data")
+    w.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", "64")):
+        w.external_data.add(key=key, value=value)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [w])
+    path = folder / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def one_error(r, text: str) -> None:
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("option", ["--report", "--stages"])
+def test_a_report_on_the_model_is_refused_and_the_model_kept(tmp_path, option):
+    model = small_model(tmp_path / "m.onnx")
+    before = model.read_bytes()
+    r = rewrite("apply", model, "--plugins", "cast", "-o", tmp_path / "out", option, model)
+    one_error(r, f"{option} {model}: that is the model")
+    assert model.read_bytes() == before and not (tmp_path / "out").exists()
+
+
+def test_explain_json_on_the_model_is_refused(tmp_path):
+    model = small_model(tmp_path / "m.onnx")
+    before = model.read_bytes()
+    one_error(rewrite("explain", model, "--plugins", "cast", "--json", model), "that is the model")
+    assert model.read_bytes() == before
+
+
+def test_a_report_on_the_model_s_external_data_is_refused(tmp_path):
+    (tmp_path / "w.bin").write_bytes(np.eye(4, dtype=np.float32).tobytes())
+    model = external_model(tmp_path, "w.bin")
+    r = rewrite("apply", model, "--plugins", "cast", "-o", tmp_path / "out", "--report", tmp_path / "w.bin")
+    one_error(r, "that is the model")
+    assert (tmp_path / "w.bin").read_bytes() == np.eye(4, dtype=np.float32).tobytes()
+
+
+def test_a_report_that_is_the_output_folder_is_refused(tmp_path):
+    out = tmp_path / "out"
+    one_error(rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "cast", "-o", out, "--report", out),
+              "that is the output folder")
+    assert not out.exists()
+
+
+def test_a_report_named_as_a_file_of_the_output_folder_does_not_overwrite_it(tmp_path):
+    out = tmp_path / "out"
+    r = rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "cast", "-o", out, "--report", out / "model.onnx")
+    one_error(r, "a file of the output folder")
+    onnx.checker.check_model(onnx.load(out / "model.onnx"))  # still the lowered model, not JSON
+
+
+@pytest.mark.parametrize("location", ["../w.bin", "/etc/hostname"])
+def test_external_data_outside_the_model_folder_is_refused(tmp_path, location):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (tmp_path / "w.bin").write_bytes(np.eye(4, dtype=np.float32).tobytes())
+    r = rewrite("apply", external_model(folder, location), "--plugins", "cast", "-o", tmp_path / "out")
+    assert r.returncode == 2 and "initializer 'W' has its external data at" in r.stderr and "outside the model's folder" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dims, text", [(["N=99999999999999999999"], "past an ONNX dim's int64 range"),
+                                        (["N=1", "N=2"], "N is already 1"), (["N=-1"], "expected NAME=INT with INT >= 0")])
+def test_bad_dims_are_refused(tmp_path, dims, text):
+    args = [a for d in dims for a in ("--dim", d)]
+    one_error(rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "cast", "-o", tmp_path / "out", *args), text)
+
+
+def test_options_for_a_plugin_that_takes_none_are_refused_in_a_dry_run_too(tmp_path):
+    model = small_model(tmp_path / "m.onnx")
+    for extra in (["-o", tmp_path / "out"], ["--dry-run"]):
+        one_error(rewrite("apply", model, "--plugins", "cast", "--opt", "cast.bogus=1", *extra),
+                  "option 'cast.bogus': plugin 'cast' takes no options")
+    one_error(rewrite("apply", model, "--plugins", "cast", "--opt", "kv.max_seq=4", "--dry-run"),
+              "options given for plugin 'kv', which is not among --plugins (cast)")
+
+
+def test_max_seq_given_twice_differently_is_refused(tmp_path):
+    one_error(rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "kv", "-o", tmp_path / "out",
+                      "--opt", "kv.max_seq=16", "--max-seq", "32"), "--max-seq 32 and --opt kv.max_seq=16 disagree")
+
+
+@pytest.mark.parametrize("value, text", [("abc", "option 'max_seq' must be an integer (got 'abc')"),
+                                         ("8388608", "must be positive and at most 4194304")])
+def test_kv_max_seq_out_of_range_is_refused(tmp_path, value, text):
+    r = rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "kv", "-o", tmp_path / "out", "--opt", f"kv.max_seq={value}")
+    assert r.returncode == 2 and text in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, text", [(["--prompt-ids", "99999999999999999999"], "token ids are int64 and not negative"),
+                                        (["--prompt-ids", "1,,3"], "expected comma-separated integers"),
+                                        (["--prompt-ids", "1", "--max-new-tokens", "-3"], "-3 is not in the range x>=0")])
+def test_generate_refuses_bad_values_before_loading(tmp_path, args, text):
+    one_error(rewrite("generate", tmp_path, *args), text)
+
+
+@pytest.mark.parametrize("rtol", ["-1", "nan", "inf"])
+def test_verify_refuses_a_tolerance_that_is_not_a_finite_number_at_least_0(tmp_path, rtol):
+    model = small_model(tmp_path / "m.onnx")
+    one_error(rewrite("verify", model, tmp_path, "--rtol", rtol), "expected a finite number >= 0")
+
+
+def test_a_backend_error_names_the_requested_folder_not_the_staging_one(tmp_path):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    k = numpy_helper.from_array(np.array([12], np.int64), "k")
+    g = helper.make_graph([helper.make_node("TopK", ["x", "k"], ["v", "i"], name="tk")], "g", [x],
+                          [helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, 12]),
+                           helper.make_tensor_value_info("i", TensorProto.INT64, [1, 12])], [k])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    out = tmp_path / "out"
+    r = rewrite("apply", path, "--plugins", "cast", "-o", out)
+    assert r.returncode == 2 and f"{out}/model.onnx: ONNX Runtime cannot load it" in r.stderr, r.stderr
+    assert f"{out} not written" in r.stderr and f".{out.name}-" not in r.stderr and not out.exists()
