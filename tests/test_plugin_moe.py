@@ -161,10 +161,30 @@ def test_ort_lowering_matches_reference(tmp_path, quant, normalize):
     apply(_fused_model(tmp_path / "m.onnx", args, 4, normalize, bs), out, backend="ort")
     ops = [n.op_type for n in onnx.load(out / "model.onnx").graph.node]
     # I=192 is no multiple of the model's 128 block: QMoE runs 64-blocks sharing each scale
-    assert ops == (["MoE"] if not bs else (["QMoE"] if normalize else ["Softmax", "QMoE"]))
+    # the Slice: the experts in reverse order for the CPU kernels' choice among equal probabilities
+    assert ops == (["Slice", "MoE"] if not bs else (["Slice", "QMoE"] if normalize else ["Slice", "Softmax", "QMoE"]))
     got = load_runner(out).run({"x": args[0], "logits": args[1]})["y"]
     ref = FusedMoE().reference({"k": 4, "normalize": normalize, "block_size": bs}, *args)[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("quant", ["float", "int4"])
+def test_ort_lowering_takes_the_lower_expert_of_equal_router_logits(tmp_path, quant):
+    """ONNX TopK (and the reference) take the lower index of equal values first; ORT's CPU MoE kernels the higher
+    one, which the lowering's reversed expert order turns into the lower."""
+    bs = 128 if quant != "float" else 0
+    args = list(_random_case(np.random.default_rng(2), 3, 256, 192, 8, 4, np.float32, bs, zp=quant == "int4"))
+    args[1] = np.tile(np.array([5, 4, 3, 1, 0, 1, -1, -2], np.float32), (3, 1))  # 4th place: experts 3 and 5 tie
+    out = tmp_path / "ort"
+    apply(_fused_model(tmp_path / "m.onnx", args, 4, 0, bs), out, backend="ort")
+    got = load_runner(out).run({"x": args[0], "logits": args[1]})["y"]
+    attrs = {"k": 4, "normalize": 0, "block_size": bs}
+    ref = FusedMoE().reference(attrs, *args)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    other = list(args)  # expert 5 instead of 3: what the kernels' own order gives
+    other[1] = args[1].copy()
+    other[1][:, 3] -= 0.5
+    assert np.abs(FusedMoE().reference(attrs, *other)[0] - ref).max() > 1e-2 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("quant,dtype,t_dim", [("float", np.float16, "T"), ("int4", np.float32, 3), ("int4", np.float16, "T")])

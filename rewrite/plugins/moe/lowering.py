@@ -207,6 +207,11 @@ class FusedMoE(AbstractOp):
         ``router_weights`` input: ORT 1.32's CPU QMoE renormalises the top-k weights even with
         normalize_routing_weights=0 (MoE does not).
 
+        On the CPU the experts are given in reverse order (every per-expert tensor, router_probs' columns through
+        a ``Slice`` with step -1): its kernels take the higher expert index first among equal probabilities
+        (a descending sort of (probability, expert) pairs, onnxruntime/contrib_ops/cpu/moe/moe_cpu.cc), ONNX
+        TopK the lower, so the reversal gives exact ties the model's experts.
+
         ``mode="routed"``: QMoE gets router_probs 0 at the given experts and -1e30 elsewhere (its top-k picks
         them) and the weights scattered into ``router_weights``. MoE has no ``router_weights``: router_probs is
         log(w) at the given experts, so its softmax yields w / sum(w), and the output is multiplied by sum(w);
@@ -228,8 +233,20 @@ class FusedMoE(AbstractOp):
         dt = graph.values[hidden].dtype
         npdt = np.float16 if dt == TensorProto.FLOAT16 else np.float32
         bs = int(node.attr("block_size", 0))
-        w1, w2 = graph.const(fc1), graph.const(fc2)
-        c1, c2 = (graph.const(v) if v else None for v in (bias1, bias2))
+        # ONNX TopK takes the lower index of equal values first; the CPU MoE / QMoE kernels sort (probability,
+        # expert) pairs in descending order, so the higher index first. On the CPU the experts are given in
+        # reverse order (each per-expert tensor and router_probs' columns), which makes its choice among equal
+        # probabilities the model's. Routed selections are forced by router_probs and keep the order.
+        reverse = mode != "routed" and not cuda
+        order = slice(None, None, -1) if reverse else slice(None)
+
+        def experts(name: str) -> np.ndarray | None:
+            """A per-expert initializer [E, ...] in the order the kernel is given the experts."""
+            a = graph.const(name)
+            return None if a is None else a[order]
+
+        w1, w2 = experts(fc1), experts(fc2)
+        c1, c2 = (experts(v) if v else None for v in (bias1, bias2))
         if w1 is None or w2 is None or (bias1 and c1 is None) or (bias2 and c2 is None):
             raise BackendError(f"node {node.describe()}: FusedMoE expert weights and biases must be initializers for ONNX Runtime")
         b = Builder(graph, "lower/FusedMoE", node.order, node.name)
@@ -261,22 +278,27 @@ class FusedMoE(AbstractOp):
                 probs = _scatter(b, hidden, ids, logw, E, low, dt)
                 scale = b.op("ReduceSum", [logits, b.const(np.array([1], np.int64), "axes")], keepdims=1, dtype=dt)
                 weights = None
+        elif reverse:
+            last = np.array([-1], np.int64)
+            probs = b.op("Slice", [logits, b.const(last, "starts"), b.const(np.array([np.iinfo(np.int64).min], np.int64), "ends"),
+                                   b.const(last, "axes"), b.const(last, "steps")], dtype=dt, shape=graph.values[logits].shape)
+            weights = None
         else:
             probs, weights = logits, None
         if bs and qbs:
             rep = bs // qbs
-            sc1, sc2 = np.repeat(graph.const(s1), rep, -1), np.repeat(graph.const(s2), rep, -1)
+            sc1, sc2 = np.repeat(experts(s1), rep, -1), np.repeat(experts(s2), rep, -1)
             sc1, sc2 = sc1[..., : H // qbs], sc2[..., : I // qbs]
             q_ins = [hidden, probs, b.const(_interleave(w1), "fc1"), b.const(_interleave(sc1).astype(npdt), "fc1_scales"), fb1,
                      b.const(w2, "fc2"), b.const(sc2.astype(npdt), "fc2_scales"), fb2, "", "", ""]
             if z1:
-                zp1 = np.repeat(graph.const(z1), rep, -1)[..., : H // qbs]
-                zp2 = np.repeat(graph.const(z2), rep, -1)[..., : I // qbs]
+                zp1 = np.repeat(experts(z1), rep, -1)[..., : H // qbs]
+                zp2 = np.repeat(experts(z2), rep, -1)[..., : I // qbs]
                 q_ins += [b.const(pack_int4(_interleave(zp1)), "fc1_zp"), b.const(pack_int4(zp2), "fc2_zp")]
             if weights is None and not normalize and not cuda:
                 # ORT 1.32's CPU QMoE renormalises the top-k weights even with normalize_routing_weights=0
                 # (measured: tests/test_plugin_moe.py); router_weights = softmax(logits) gives it the raw ones.
-                weights = b.op("Softmax", [logits], axis=-1, dtype=dt)
+                weights = b.op("Softmax", [probs], axis=-1, dtype=dt)  # (probs: the logits, reversed on the CPU)
             if weights is not None:
                 q_ins += [""] * (14 - len(q_ins)) + [weights]
             if cuda:
@@ -287,8 +309,8 @@ class FusedMoE(AbstractOp):
                 out = b.op("Mul", [out, scale], dtype=dt, shape=out_shape)
         else:
             if bs:
-                w1 = dequantize(w1, graph.const(s1), graph.const(z1) if z1 else None, H, bs)
-                w2 = dequantize(w2, graph.const(s2), graph.const(z2) if z2 else None, I, bs)
+                w1 = dequantize(w1, experts(s1), experts(z1) if z1 else None, H, bs)
+                w2 = dequantize(w2, experts(s2), experts(z2) if z2 else None, I, bs)
             out = b.op("MoE", [hidden, probs, b.const(_interleave(w1).astype(npdt), "fc1"), fb1, b.const(w2.astype(npdt), "fc2"), fb2],
                        domain="com.microsoft", dtype=dt, shape=out_shape, **attrs)
             if scale is not None:
