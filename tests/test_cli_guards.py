@@ -133,3 +133,30 @@ def test_a_backend_error_names_the_requested_folder_not_the_staging_one(tmp_path
     r = rewrite("apply", path, "--plugins", "cast", "-o", out)
     assert r.returncode == 2 and f"{out}/model.onnx: ONNX Runtime cannot load it" in r.stderr, r.stderr
     assert f"{out} not written" in r.stderr and f".{out.name}-" not in r.stderr and not out.exists()
+
+
+def test_bfloat16_inputs_and_outputs_run_and_verify_on_onnx_runtime(tmp_path):
+    """ONNX Runtime's Python API converts no bfloat16 array: the runner passes them as OrtValues of their bits."""
+    nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT, name="widen"),  # (no bf16 Mul on the CPU EP)
+             helper.make_node("Mul", ["xf", "two"], ["f"], name="mul"),
+             helper.make_node("Cast", ["f"], ["y"], to=TensorProto.BFLOAT16, name="narrow")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3]),
+                           helper.make_tensor_value_info("f", TensorProto.FLOAT, [2, 3])],
+                          [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), model)
+    out = tmp_path / "out"
+    assert rewrite("apply", model, "--plugins", "cast", "-o", out).returncode == 0
+    r = rewrite("verify", model, out, "--seed", "3")
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "verify: PASS", r.stdout + r.stderr
+
+    import ml_dtypes
+
+    from rewrite.backends import load_runner
+
+    x = np.array([[1.5, -2.25, 3.0], [0.5, 8.0, -0.125]], ml_dtypes.bfloat16)
+    res = load_runner(out).run({"x": x})
+    assert res["y"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(res["y"].astype(np.float32), 2 * x.astype(np.float32))
+    np.testing.assert_array_equal(res["f"], 2 * x.astype(np.float32))

@@ -7,8 +7,10 @@ com.microsoft MatMulNBits (:mod:`rewrite.backends.ort_matmul_nbits`); everything
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -108,11 +110,34 @@ class OrtRunner:
     def run(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         args = check_feeds(self.input_specs, feeds, str(self.path), self.decoder)
         names = outputs or self.output_names
+        bf16 = any(a.dtype == ml_dtypes.bfloat16 for a in args.values()) or any(
+            o.type == "tensor(bfloat16)" for o in self.session.get_outputs() if o.name in names)
         try:
-            res = self.session.run(names, args)
+            if not bf16:
+                return dict(zip(names, self.session.run(names, args)))
+            # ONNX Runtime's numpy conversion knows no bfloat16: its values go through OrtValues
+            res = self.session.run_with_ort_values(names, {n: _ort_value(a) for n, a in args.items()})
         except Exception as e:
             raise BackendError(f"{self.path}: ONNX Runtime failed: {str(e).splitlines()[0][:300]}") from e
-        return dict(zip(names, res))
+        return {n: _from_ort_value(v) for n, v in zip(names, res)}
+
+
+def _ort_value(a: np.ndarray) -> ort.OrtValue:
+    """An OrtValue of ``a``; a bfloat16 array (ml_dtypes) as its bits, typed BFLOAT16."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint16), onnx.TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(a)
+
+
+def _from_ort_value(v: ort.OrtValue) -> np.ndarray:
+    """A CPU OrtValue as a numpy array; a bfloat16 tensor copied out as ml_dtypes.bfloat16."""
+    if v.data_type() != "tensor(bfloat16)":
+        return v.numpy()
+    shape = v.shape()
+    n = int(np.prod(shape))
+    bits = np.frombuffer((ctypes.c_uint16 * n).from_address(v.data_ptr()), np.uint16) if n else np.zeros(0, np.uint16)
+    return bits.copy().view(ml_dtypes.bfloat16).reshape(shape)
 
 
 def lower_abstract_ops(graph: Graph, lowerings: dict) -> int:
