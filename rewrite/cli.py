@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import sys
@@ -49,7 +50,7 @@ def _parse_dims(dims: tuple[str, ...]) -> dict[str, int]:
     for d in dims:
         k, sep, v = d.partition("=")
         k, v = k.strip(), v.strip()
-        if not sep or not k or not v.isdigit():
+        if not sep or not k or not (v.isascii() and v.isdigit()):
             raise click.BadParameter(f"'{d}': expected NAME=INT with INT >= 0, e.g. seq_len=1", param_hint="--dim")
         if int(v) > _INT64_MAX:
             raise click.BadParameter(f"'{d}': {v} is past an ONNX dim's int64 range", param_hint="--dim")
@@ -123,40 +124,42 @@ def _check_writable(option: str, path: str | None, out_dir: str | None = None, m
     parent = target.parent
     if not parent.is_dir() and not (out_dir and parent == Path(out_dir).resolve()):
         raise click.UsageError(f"{option} {path}: folder '{Path(path).parent}' does not exist")
-    if out_dir and target == Path(out_dir).resolve():
-        raise click.UsageError(f"{option} {path}: that is the output folder; give a file")
+    if out_dir:
+        out = Path(out_dir).resolve()
+        if target == out or target in out.parents:
+            raise click.UsageError(f"{option} {path}: that is the output folder or a folder above it; give a file")
+        if target.parent == out and target.name in FOLDER_FILES:
+            raise click.UsageError(f"{option} {path}: the output folder's own {target.name}; give another name")
     if model and target.exists() and _is_model_file(target, Path(model)):
         raise click.UsageError(f"{option} {path}: that is the model {model} or one of its external data files; "
                                "give another file")
 
 
+#: files an output folder of apply may hold (rewrite.backends): a report must not take their names
+FOLDER_FILES = frozenset({"manifest.json", "model.onnx", "model.onnx.data", "model.irpa", "model.vmfb",
+                          "model.mlir", "compile.log"})
+
+
 def _is_model_file(target: Path, model: Path) -> bool:
-    """Whether ``target`` (resolved, existing) is ``model`` or a file its initializers' external data lives in."""
+    """Whether ``target`` (resolved, existing) is ``model`` or a file its initializers' external data lives in
+    (resolved from the model's folder as given, as the loader does: links there may lead anywhere)."""
     if not model.is_file():
         return False
     if target == model.resolve():
         return True
-    folder = model.resolve().parent
-    if folder not in target.parents:
-        return False
     from rewrite.core.onnx_io import external_locations, read_model
 
     try:
         locations = external_locations(read_model(model))
     except RewriteError:
         return False  # an unreadable model is reported by the command itself
+    folder = Path(os.path.abspath(model)).parent
     return any((folder / loc).resolve() == target for loc in locations)
 
 
-def _check_not_in_folder(option: str, path: str | None, out_dir: str) -> None:
-    """After apply replaced ``out_dir``: a file option's path there must not be one of the folder's own files.
-
-    Raises:
-        click.UsageError: it is (the report or stages file is not written).
-    """
-    if path and Path(path).exists() and Path(out_dir).resolve() in Path(path).resolve().parents:
-        raise click.UsageError(f"{option} {path}: a file of the output folder {out_dir} ({Path(path).name}); "
-                               "not overwritten: give another name")
+def _folder_file(path: str | None, out_dir: str) -> bool:
+    """Whether ``path`` is a file the output folder ``out_dir`` now holds (after apply wrote it)."""
+    return bool(path) and Path(path).exists() and Path(out_dir).resolve() in Path(path).resolve().parents
 
 
 def _print_report(report: list[dict]) -> None:
@@ -297,7 +300,10 @@ def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_pat
                   freeze_inputs=freeze_inputs)
         report = m.report
         for option, path in (("--report", report_path), ("--stages", stages_path)):
-            _check_not_in_folder(option, path, out_dir)
+            if _folder_file(path, out_dir):
+                click.echo(f"warning: {option} {path} is a file of the output folder {out_dir}, which is written; "
+                           "not overwritten with the JSON", err=True)
+                report_path, stages_path = (None, stages_path) if option == "--report" else (report_path, None)
     _print_report(report)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=1) + "\n")
@@ -388,12 +394,13 @@ def generate_cmd(folder, prompt_ids, max_new_tokens, compare_model, low_memory, 
 
     from rewrite.generate import Generator
 
-    try:
-        ids = [int(t) for t in prompt_ids.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"'{prompt_ids}': expected comma-separated integers", param_hint="--prompt-ids") from None
-    if any(not 0 <= t <= _INT64_MAX for t in ids):
-        raise click.BadParameter(f"'{prompt_ids}': token ids are int64 and not negative", param_hint="--prompt-ids")
+    items = prompt_ids.split(",")
+    for i, t in enumerate(items):
+        t = t.strip()
+        if not (t.isascii() and t.isdigit()) or int(t) > _INT64_MAX:
+            raise click.BadParameter(f"item {i + 1} of {len(items)} ({t!r}): expected a token id, an integer from 0 to "
+                                     "2^63 - 1, and comma-separated ids", param_hint="--prompt-ids")
+    ids = [int(t) for t in items]
     from rewrite.backends import needs_low_memory
 
     low_memory = needs_low_memory(folder) if low_memory is None else low_memory

@@ -174,11 +174,11 @@ def apply(
     if target not in be.targets:
         raise RewriteError(f"backend '{backend}' has no target '{target}'; targets: {', '.join(be.targets)}")
     selected = select_plugins(list(plugins) if not isinstance(plugins, str) else plugins)
+    check_options(options or {}, selected)
     with stage("load"):
         graph = onnx_io.load(model_path)
     frozen = graph.freeze_inputs() if freeze_inputs else []
     check_model(graph, selected, str(model_path))
-    check_options(options or {}, selected)
     ctx = RewriteContext(backend=backend, target=target, dims=dict(dims or {}), options=dict(options or {}))
     reports = rewrite_graph(graph, selected, ctx)
     if ctx.options.get("next_token"):

@@ -63,11 +63,32 @@ def test_a_report_that_is_the_output_folder_is_refused(tmp_path):
     assert not out.exists()
 
 
-def test_a_report_named_as_a_file_of_the_output_folder_does_not_overwrite_it(tmp_path):
+def test_a_report_named_as_a_file_of_the_output_folder_is_refused(tmp_path):
     out = tmp_path / "out"
     r = rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "cast", "-o", out, "--report", out / "model.onnx")
-    one_error(r, "a file of the output folder")
-    onnx.checker.check_model(onnx.load(out / "model.onnx"))  # still the lowered model, not JSON
+    one_error(r, "the output folder's own model.onnx")
+    assert not out.exists()
+
+
+def test_a_report_that_is_a_folder_above_the_output_folder_is_refused(tmp_path):
+    out = tmp_path / "nd" / "out"
+    one_error(rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "cast", "-o", out, "--report", tmp_path / "nd"),
+              "that is the output folder or a folder above it")
+    assert not out.exists()
+
+
+def test_a_report_on_external_data_behind_a_link_is_refused(tmp_path):
+    """As a Hugging Face cache lays a snapshot out: the model and its data are links into another folder."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snap"
+    blobs.mkdir()
+    snap.mkdir()
+    (blobs / "w").write_bytes(np.eye(4, dtype=np.float32).tobytes())
+    (snap / "w.bin").symlink_to(blobs / "w")
+    external_model(blobs, "w.bin").rename(blobs / "m")
+    (snap / "m.onnx").symlink_to(blobs / "m")
+    r = rewrite("apply", snap / "m.onnx", "--plugins", "cast", "-o", tmp_path / "out", "--report", snap / "w.bin")
+    one_error(r, "that is the model")
+    assert (blobs / "w").read_bytes() == np.eye(4, dtype=np.float32).tobytes()
 
 
 @pytest.mark.parametrize("location", ["../w.bin", "/etc/hostname"])
@@ -80,7 +101,7 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path, location):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("dims, text", [(["N=99999999999999999999"], "past an ONNX dim's int64 range"),
+@pytest.mark.parametrize("dims, text", [(["N=99999999999999999999"], "past an ONNX dim's int64 range"), (["N=²"], "expected NAME=INT"),
                                         (["N=1", "N=2"], "N is already 1"), (["N=-1"], "expected NAME=INT with INT >= 0")])
 def test_bad_dims_are_refused(tmp_path, dims, text):
     args = [a for d in dims for a in ("--dim", d)]
@@ -102,14 +123,15 @@ def test_max_seq_given_twice_differently_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("value, text", [("abc", "option 'max_seq' must be an integer (got 'abc')"),
-                                         ("8388608", "must be positive and at most 4194304")])
+                                         ("8388608", "kv: max_seq 8388608 (--max-seq or --opt kv.max_seq): must be positive and at most 4194304")])
 def test_kv_max_seq_out_of_range_is_refused(tmp_path, value, text):
     r = rewrite("apply", small_model(tmp_path / "m.onnx"), "--plugins", "kv", "-o", tmp_path / "out", "--opt", f"kv.max_seq={value}")
     assert r.returncode == 2 and text in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("args, text", [(["--prompt-ids", "99999999999999999999"], "token ids are int64 and not negative"),
-                                        (["--prompt-ids", "1,,3"], "expected comma-separated integers"),
+@pytest.mark.parametrize("args, text", [(["--prompt-ids", "99999999999999999999"], "item 1 of 1 ('99999999999999999999')"),
+                                        (["--prompt-ids", "1,,3"], "item 2 of 3 (''): expected a token id"),
+                                        (["--prompt-ids", "1,-2"], "item 2 of 2 ('-2')"),
                                         (["--prompt-ids", "1", "--max-new-tokens", "-3"], "-3 is not in the range x>=0")])
 def test_generate_refuses_bad_values_before_loading(tmp_path, args, text):
     one_error(rewrite("generate", tmp_path, *args), text)
@@ -139,10 +161,13 @@ def test_bfloat16_inputs_and_outputs_run_and_verify_on_onnx_runtime(tmp_path):
     """ONNX Runtime's Python API converts no bfloat16 array: the runner passes them as OrtValues of their bits."""
     nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT, name="widen"),  # (no bf16 Mul on the CPU EP)
              helper.make_node("Mul", ["xf", "two"], ["f"], name="mul"),
-             helper.make_node("Cast", ["f"], ["y"], to=TensorProto.BFLOAT16, name="narrow")]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 3])],
+             helper.make_node("Cast", ["f"], ["y"], to=TensorProto.BFLOAT16, name="narrow"),
+             helper.make_node("Identity", ["s"], ["s_out"], name="scalar")]  # a scalar keeps its shape []
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 3]),
+                                       helper.make_tensor_value_info("s", TensorProto.INT64, [])],
                           [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3]),
-                           helper.make_tensor_value_info("f", TensorProto.FLOAT, [2, 3])],
+                           helper.make_tensor_value_info("f", TensorProto.FLOAT, [2, 3]),
+                           helper.make_tensor_value_info("s_out", TensorProto.INT64, [])],
                           [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
     model = tmp_path / "m.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), model)
@@ -156,7 +181,8 @@ def test_bfloat16_inputs_and_outputs_run_and_verify_on_onnx_runtime(tmp_path):
     from rewrite.backends import load_runner
 
     x = np.array([[1.5, -2.25, 3.0], [0.5, 8.0, -0.125]], ml_dtypes.bfloat16)
-    res = load_runner(out).run({"x": x})
+    res = load_runner(out).run({"x": x, "s": np.array(7, np.int64)})
+    assert res["s_out"].shape == () and res["s_out"] == 7
     assert res["y"].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(res["y"].astype(np.float32), 2 * x.astype(np.float32))
     np.testing.assert_array_equal(res["f"], 2 * x.astype(np.float32))

@@ -173,6 +173,6 @@ def test_bad_options_fail_with_one_line(qwen2_moe_tiny):
     snap = onnx_io.to_model(g).SerializeToString()
     with pytest.raises(PluginError, match="kv: unknown option 'max_len'; options: max_seq"):
         run_plugin(g, KVCache(), RewriteContext(options={"kv": {"max_len": 8}}))
-    with pytest.raises(PluginError, match="--max-seq 0: must be positive"):
+    with pytest.raises(PluginError, match=r"kv: max_seq 0 \(--max-seq or --opt kv.max_seq\): must be positive"):
         run_plugin(g, KVCache(), RewriteContext(options={"kv": {"max_seq": 0}}))
     assert onnx_io.to_model(g).SerializeToString() == snap  # left as it was

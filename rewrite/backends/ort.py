@@ -124,7 +124,7 @@ class OrtRunner:
 
 def _ort_value(a: np.ndarray) -> ort.OrtValue:
     """An OrtValue of ``a``; a bfloat16 array (ml_dtypes) as its bits, typed BFLOAT16."""
-    a = np.ascontiguousarray(a)
+    a = np.require(a, requirements="C")  # (not ascontiguousarray: it makes a scalar [1])
     if a.dtype == ml_dtypes.bfloat16:
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint16), onnx.TensorProto.BFLOAT16)
     return ort.OrtValue.ortvalue_from_numpy(a)
@@ -134,6 +134,8 @@ def _from_ort_value(v: ort.OrtValue) -> np.ndarray:
     """A CPU OrtValue as a numpy array; a bfloat16 tensor copied out as ml_dtypes.bfloat16."""
     if v.data_type() != "tensor(bfloat16)":
         return v.numpy()
+    if v.device_name().lower() != "cpu":  # (run_with_ort_values copies outputs to the CPU unless bound elsewhere)
+        raise BackendError(f"a bfloat16 output on {v.device_name()}: expected it on the CPU")
     shape = v.shape()
     n = int(np.prod(shape))
     bits = np.frombuffer((ctypes.c_uint16 * n).from_address(v.data_ptr()), np.uint16) if n else np.zeros(0, np.uint16)

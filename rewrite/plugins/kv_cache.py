@@ -457,7 +457,8 @@ class KVCache(Plugin):
             if not isinstance(max_seq, int) or isinstance(max_seq, bool):
                 raise RewriteError(f"kv: option 'max_seq' must be an integer (got {max_seq!r})")
             if not 0 < max_seq <= MAX_SEQ_LIMIT:
-                raise RewriteError(f"--max-seq {max_seq}: must be positive and at most {MAX_SEQ_LIMIT}")
+                raise RewriteError(f"kv: max_seq {max_seq} (--max-seq or --opt kv.max_seq): must be positive and at "
+                                   f"most {MAX_SEQ_LIMIT}")
             to_static_cache(graph, max_seq, report, dry_run=dry_run)
         apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
         if not dry_run and report.matches:
