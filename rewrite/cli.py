@@ -109,14 +109,20 @@ def plugins_cmd() -> None:
     console.print(t)
 
 
+#: files an output folder of apply may hold (rewrite.backends): a report must not take their names
+FOLDER_FILES = frozenset({"manifest.json", "model.onnx", "model.onnx.data", "model.irpa", "model.vmfb",
+                          "model.mlir", "compile.log"})
+
+
 def _check_writable(option: str, path: str | None, out_dir: str | None = None, model: str | None = None) -> None:
     """A file option's folder must exist before any work starts (not fail after the output folder is written);
     the output folder itself counts as existing (it is written before the file). The file must not be the output
-    folder, nor ``model`` or one of its external data files (it would be overwritten with JSON).
+    folder or a folder above it, one of :data:`FOLDER_FILES` in it, nor ``model`` or one of its external data
+    files (it would be overwritten with JSON).
 
     Raises:
-        click.UsageError: the folder is missing or is not a folder; the path is the output folder, the model or
-            its external data.
+        click.UsageError: the folder is missing or is not a folder; the path is the output folder or above it, a
+            file of the folder's, the model or its external data.
     """
     if not path:
         return
@@ -133,11 +139,6 @@ def _check_writable(option: str, path: str | None, out_dir: str | None = None, m
     if model and target.exists() and _is_model_file(target, Path(model)):
         raise click.UsageError(f"{option} {path}: that is the model {model} or one of its external data files; "
                                "give another file")
-
-
-#: files an output folder of apply may hold (rewrite.backends): a report must not take their names
-FOLDER_FILES = frozenset({"manifest.json", "model.onnx", "model.onnx.data", "model.irpa", "model.vmfb",
-                          "model.mlir", "compile.log"})
 
 
 def _is_model_file(target: Path, model: Path) -> bool:
