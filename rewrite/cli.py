@@ -263,6 +263,14 @@ def apply_cmd(model, plugin_names, backend, target, out_dir, dims, opts, report_
                next_token, freeze_inputs, cuda_sm, module_from, rec, quiet, stages_path)
 
 
+class _Shortfall(Exception):
+    """``apply --expect`` fell short once the plugins ran: their reports (JSON dicts) and the messages."""
+
+    def __init__(self, report: list[dict], messages: list[str]):
+        super().__init__("; ".join(messages))
+        self.report, self.messages = report, messages
+
+
 def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_path, expect, dry_run, max_seq, stateful,
            next_token, freeze_inputs, cuda_sm, module_from, rec, quiet, stages_path) -> None:
     from rewrite.explain import parse_expect, preview, shortfalls
@@ -297,8 +305,22 @@ def _apply(model, plugin_names, backend, target, out_dir, dims, opts, report_pat
     elif out_dir is None:
         raise click.UsageError("missing option '-o' / '--out' (or use --dry-run)")
     else:
-        m = apply(model, out_dir, plugins=plugin_names, backend=backend, target=target, dims=_parse_dims(dims), options=options,
-                  freeze_inputs=freeze_inputs)
+        def check_expected(reports) -> None:  # before lowering: a shortfall ends apply with nothing written
+            short = shortfalls(expected, [r.to_json() for r in reports])
+            if short:
+                raise _Shortfall([r.to_json() for r in reports], short)
+
+        try:
+            m = apply(model, out_dir, plugins=plugin_names, backend=backend, target=target, dims=_parse_dims(dims),
+                      options=options, freeze_inputs=freeze_inputs, before_lowering=check_expected if expected else None)
+        except _Shortfall as e:
+            _print_report(e.report)
+            if report_path:
+                Path(report_path).write_text(json.dumps(e.report, indent=1) + "\n")
+            for msg in e.messages:
+                click.echo(f"error: {msg}", err=True)
+            click.echo(f"nothing lowered or written to {out_dir}" + (f" except {report_path}" if report_path else ""), err=True)
+            sys.exit(3)
         report = m.report
         for option, path in (("--report", report_path), ("--stages", stages_path)):
             if _folder_file(path, out_dir):

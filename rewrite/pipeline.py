@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from rewrite.backends import get_backend
@@ -159,8 +160,13 @@ def apply(
     dims: dict[str, int] | None = None,
     options: dict | None = None,
     freeze_inputs: bool = False,
+    before_lowering: Callable[[list[PluginReport]], None] | None = None,
 ) -> Manifest:
     """Rewrite ``model_path`` with ``plugins`` and lower it for ``backend`` into ``out_dir``.
+
+    ``before_lowering`` (optional) is called with the plugins' reports once they ran, before anything is lowered
+    or written: an exception it raises ends ``apply`` there (``rewrite apply --expect`` stops so when a plugin
+    matched fewer times than expected, instead of after a compile).
 
     Graph inputs that have an initializer as their default stay inputs a caller may override (their data is no
     constant to the plugins); ``freeze_inputs`` makes them constants and removes them from the interface
@@ -181,6 +187,8 @@ def apply(
     check_model(graph, selected, str(model_path))
     ctx = RewriteContext(backend=backend, target=target, dims=dict(dims or {}), options=dict(options or {}))
     reports = rewrite_graph(graph, selected, ctx)
+    if before_lowering is not None:
+        before_lowering(reports)
     if ctx.options.get("next_token"):
         add_next_token(graph)
     used = abstract_ops_in(graph)

@@ -133,9 +133,13 @@ def test_dry_run_writes_nothing_and_expect_fails_with_status_3(altered_seed, tmp
 def test_expect_with_apply_and_bad_specs(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(_casts_model(), path)
-    r = rewrite("apply", path, "--plugins", "cast", "-o", tmp_path / "o", "--expect", "cast=1")
+    r = rewrite("apply", path, "--plugins", "cast", "-o", tmp_path / "o", "--expect", "cast=1", "--report", tmp_path / "r.json")
     assert r.returncode == 3 and "error: expected cast=1 matches, got 0 (cast-roundtrip: 0)" in r.stderr
-    assert (tmp_path / "o" / "model.onnx").exists()  # the rewrite itself succeeded
+    assert f"nothing lowered or written to {tmp_path / 'o'} except {tmp_path / 'r.json'}" in r.stderr
+    assert not (tmp_path / "o").exists()  # stopped before lowering
+    assert json.loads((tmp_path / "r.json").read_text())[0]["matches"] == 0
+    r = rewrite("apply", path, "--plugins", "cast", "-o", tmp_path / "o", "--expect", "cast=0")
+    assert r.returncode == 0 and (tmp_path / "o" / "model.onnx").exists()
     r = rewrite("apply", path, "--plugins", "cast", "--dry-run", "--expect", "cast=many")
     assert r.returncode == 2 and "--expect 'cast=many': expected PLUGIN=N" in r.stderr
     r = rewrite("apply", path, "--plugins", "cast")
