@@ -150,6 +150,13 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
+def _umask() -> int:
+    """The process's file mode creation mask (read by setting it and back: POSIX offers no plain read)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def apply(
     model_path: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -229,9 +236,11 @@ def apply(
         manifest.decoder = _decoder_json(iface, manifest)
         manifest.write(tmp)
         (tmp / STAGING_OWNER).unlink()
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's folder is private (0700); the output is an ordinary folder
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
+        shutil.rmtree(out_dir.parent / f"{out_dir.name}.failed", ignore_errors=True)  # an earlier failure's, now stale
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

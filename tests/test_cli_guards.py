@@ -3,6 +3,10 @@ folder, external data outside the model's folder, option values out of range, an
 
 from __future__ import annotations
 
+import stat
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -186,3 +190,11 @@ def test_bfloat16_inputs_and_outputs_run_and_verify_on_onnx_runtime(tmp_path):
     assert res["y"].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(res["y"].astype(np.float32), 2 * x.astype(np.float32))
     np.testing.assert_array_equal(res["f"], 2 * x.astype(np.float32))
+
+
+def test_the_output_folder_takes_the_umask_not_the_staging_folder_s_0700(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run(["sh", "-c", f"umask 022 && {sys.executable} -m rewrite.cli apply {small_model(tmp_path / 'm.onnx')} "
+                        f"--plugins cast -o {out}"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
