@@ -151,8 +151,15 @@ def _process_exists(pid: int) -> bool:
 
 
 def _umask() -> int:
-    """The process's file mode creation mask (read by setting it and back: POSIX offers no plain read)."""
-    mask = os.umask(0)
+    """The process's file mode creation mask: from /proc/self/status where Linux gives it (setting it to read
+    it, POSIX's only way, would briefly change it for every thread), else set and set back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
     os.umask(mask)
     return mask
 
