@@ -2,36 +2,13 @@
 // streamed into shared memory"): a decode token's layer in one launch, for benchmarks/moe_cuda_kernels.py:
 //     python benchmarks/moe_cuda_kernels.py --tokens 1 --variant stream=benchmarks/variants/moe_stream.cu[,MACRO...]
 // (its rows are NAME/st; the shipped pair's rows NAME/mma come first). It builds on the shipped kernels' source
-// (routing, x's staging, the tensor-core steps), included whole. Timing macros (wrong results on purpose):
+// (routing, x's staging and its stage_eight / stage_sums, the tensor-core steps), included whole. Timing macros
+// (wrong results on purpose):
 // STREAM_COPY_ONLY returns once the workgroup's copies landed, STREAM_GATE_ONLY after publishing its gate_up range
 // (no wait, no down), STREAM_NO_WAIT computes down without waiting for the other ranges, STREAM_NO_TILE copies no
 // down tile; STREAM_NO_FENCE publishes with the release store alone (a correct variant).
 #include "moe_cuda.cu"
 
-// Group gi of 8 values f (32-byte aligned in v) into its staged piece; adds its values to s and to xs (the
-// high-nibble pairs times 16, as staged: X is the sum of the values themselves).
-__device__ __forceinline__ void stage_eight(const float (&f)[8], int gi, int np, uint4* sh, float& s, float& xs) {
-  __half2 h[4] = {__floats2half2_rn(f[0], f[4]), __floats2half2_rn(f[1] * 0.0625f, f[5] * 0.0625f),
-                  __floats2half2_rn(f[2], f[6]), __floats2half2_rn(f[3] * 0.0625f, f[7] * 0.0625f)};
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    float2 v2 = __half22float2(h[p]);
-    s += v2.x + v2.y;
-    xs += (p & 1) ? 16.f * (v2.x + v2.y) : v2.x + v2.y;
-  }
-  sh[(gi & 3) * np + (gi >> 2)] = *reinterpret_cast<const uint4*>(h);
-}
-// the per-block sums of one round of 32 groups (two blocks): each half-warp's, written by its lane 0
-__device__ __forceinline__ void stage_sums(float s, float xs, int g0, int n, float2* sums) {
-  int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) {  // within each half-warp: one block
-    s += __shfl_xor_sync(0xffffffffu, s, o);
-    xs += __shfl_xor_sync(0xffffffffu, xs, o);
-  }
-  int b = (g0 + lane) / 16;
-  if ((lane & 15) == 0 && b < n / 128) sums[b] = make_float2(s, xs);
-}
 // ---------------------------------------------------------------- one launch for a decode token, weights streamed
 //
 // moe_stream<S>x<D>_f16: a decode token's whole FusedMoE layer in one launch, for what the tensor-core pair takes

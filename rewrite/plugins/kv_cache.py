@@ -187,12 +187,13 @@ def to_static_cache(graph: Graph, max_seq: int, report: PluginReport, *, dry_run
             not grow by one new length, a past has a fixed length, another input has a dim of a past length
             (a cache trimmed to a window), or one ``P + n`` is both the positions' limit and read otherwise.
     """
+    if not 0 < max_seq <= MAX_SEQ_LIMIT:  # (checked before looking for caches: a model without one too)
+        raise RewriteError(f"kv: max_seq {max_seq} (--max-seq or --opt kv.max_seq): must be positive and at most "
+                           f"{MAX_SEQ_LIMIT}")
     concats = growing_caches(graph)
     rep = report.rule("static-cache")
     if not concats:
         return 0
-    if not 0 < max_seq <= MAX_SEQ_LIMIT:
-        raise RewriteError(f"--max-seq {max_seq}: must be positive and at most {MAX_SEQ_LIMIT}")
     pasts = [n.inputs[0] for n in concats]
     past_sym = {p: graph.values[p].shape[2] for p in pasts}
     ev = SymbolicEvaluator(graph)
@@ -456,9 +457,6 @@ class KVCache(Plugin):
         if max_seq is not None:
             if not isinstance(max_seq, int) or isinstance(max_seq, bool):
                 raise RewriteError(f"kv: option 'max_seq' must be an integer (got {max_seq!r})")
-            if not 0 < max_seq <= MAX_SEQ_LIMIT:
-                raise RewriteError(f"kv: max_seq {max_seq} (--max-seq or --opt kv.max_seq): must be positive and at "
-                                   f"most {MAX_SEQ_LIMIT}")
             to_static_cache(graph, max_seq, report, dry_run=dry_run)
         apply_rules(graph, self.rules, self.short, report, dry_run=dry_run, ctx=ctx)
         if not dry_run and report.matches:

@@ -647,6 +647,30 @@ __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1
 // One warp stages n values of v (n a multiple of 128): piece q (values 32q ..) quarter m (32q + 8m + 0..7) at
 // sh[m * n/32 + q] as (x0, x4), (x1, x5) / 16, (x2, x6), (x3, x7) / 16, the pairs the A operand's lop3s give;
 // block b (values 128b ..) gets sums[b] = (S, X).
+// Group gi of 8 values f into its staged piece; adds its values to s and to xs (the high-nibble pairs times 16,
+// as staged: X is the sum of the values themselves).
+__device__ __forceinline__ void stage_eight(const float (&f)[8], int gi, int np, uint4* sh, float& s, float& xs) {
+  __half2 h[4] = {__floats2half2_rn(f[0], f[4]), __floats2half2_rn(f[1] * 0.0625f, f[5] * 0.0625f),
+                  __floats2half2_rn(f[2], f[6]), __floats2half2_rn(f[3] * 0.0625f, f[7] * 0.0625f)};
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    float2 v2 = __half22float2(h[p]);
+    s += v2.x + v2.y;
+    xs += (p & 1) ? 16.f * (v2.x + v2.y) : v2.x + v2.y;
+  }
+  sh[(gi & 3) * np + (gi >> 2)] = *reinterpret_cast<const uint4*>(h);
+}
+// The per-block sums of one round of 32 groups (two blocks): each half-warp's, written by its lane 0.
+__device__ __forceinline__ void stage_sums(float s, float xs, int g0, int n, float2* sums) {
+  int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) {  // within each half-warp: one block
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+    xs += __shfl_xor_sync(0xffffffffu, xs, o);
+  }
+  int b = (g0 + lane) / 16;
+  if ((lane & 15) == 0 && b < n / 128) sums[b] = make_float2(s, xs);
+}
 template <typename V>
 __device__ __forceinline__ void stage_mma(const V* __restrict__ v, int n, uint4* sh, float2* sums) {
   int lane = threadIdx.x & 31, np = n / 32;
@@ -656,23 +680,9 @@ __device__ __forceinline__ void stage_mma(const V* __restrict__ v, int n, uint4*
     if (gi < n / 8) {
       float f[8];
       load8(v, 8 * gi, f);
-      __half2 h[4] = {__floats2half2_rn(f[0], f[4]), __floats2half2_rn(f[1] * 0.0625f, f[5] * 0.0625f),
-                      __floats2half2_rn(f[2], f[6]), __floats2half2_rn(f[3] * 0.0625f, f[7] * 0.0625f)};
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        float2 v2 = __half22float2(h[p]);
-        s += v2.x + v2.y;
-        xs += (p & 1) ? 16.f * (v2.x + v2.y) : v2.x + v2.y;
-      }
-      sh[(gi & 3) * np + (gi >> 2)] = *reinterpret_cast<const uint4*>(h);
+      stage_eight(f, gi, np, sh, s, xs);
     }
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) {  // within each half-warp: one block
-      s += __shfl_xor_sync(0xffffffffu, s, o);
-      xs += __shfl_xor_sync(0xffffffffu, xs, o);
-    }
-    int b = (g0 + lane) / 16;
-    if ((lane & 15) == 0 && b < n / 128) sums[b] = make_float2(s, xs);
+    stage_sums(s, xs, g0, n, sums);
   }
 }
 
