@@ -13,7 +13,8 @@ CUDA_GATE_ITEMS, ``down``: CUDA_DOWN_ROWS); all variants run side by side on the
 compare directly. The kernels are launched as IREE launches them (rewrite/plugins/moe/lowering.py
 ``lower_iree_cuda``): the bindings' pointers, then the 10 push constants as 32-bit integers, on the same grid.
 Where the lowering takes the tensor-core pair (``cuda_mma_steps``: the seeds' shapes, either mode) and the
-source has its exports, that pair runs on its grid (the row's variant name gets ``/mma``); ``mma=0`` keeps the
+source has its exports, that pair runs on its grid (the row's variant name gets ``/mma``), at T = 1 with the
+one-token down ``moe_down_mma<S>t1_f16`` where the source has it, as the lowering for a decode graph; ``mma=0`` keeps the
 other pair, ``mix=1`` takes the other pair's gate_up with the tensor-core down (``/mix``: the same act rows and
 routing tail between them; not a choice of the lowering). ``mgate=N`` gives the tensor-core gate_up N of its
 groups per workgroup (its grid's y divided by N; default the lowering's ``MMA_GATE_GROUPS``).
@@ -128,6 +129,23 @@ def parse_variant(spec: str, gate: int, down: int, mgate: int) -> dict:
     return v
 
 
+#: the floor any kernel reading n bytes meets: every thread issues its 4 16-byte loads at once (the whole read in
+#: flight in one wave where it fits the GPU's resident threads), then folds them (a store no one reads keeps the
+#: loads); what a layer's pair of launches could take at best is this kernel on each kernel's bytes in turn
+READ_FLOOR = r"""
+extern "C" __global__ void read_floor(const uint4* __restrict__ p, long long n, unsigned int* sink) {
+  long long i0 = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x;
+  uint4 v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) v[u] = i0 + u * blockDim.x < n ? __ldg(p + i0 + u * blockDim.x) : make_uint4(0, 0, 0, 0);
+  unsigned int acc = 0;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+"""
+
+
 def timed(cp, launches, reps: int) -> float:
     """Median microseconds per launch of ``launches`` (a list of callables), captured once in a CUDA graph."""
     stream = cp.cuda.Stream(non_blocking=True)
@@ -183,6 +201,11 @@ def main() -> int:
                 try:
                     v["mma_kernels"][steps] = (mod.get_function(f"moe_gate_up_mma{steps[0]}_f16"),
                                                mod.get_function(f"moe_down_mma{steps[1]}_f16"))
+                except Exception:
+                    continue
+                try:  # the one-token down, which the lowering takes where T is statically 1
+                    v["mma_kernels"][steps, 1] = (v["mma_kernels"][steps][0],
+                                                  mod.get_function(f"moe_down_mma{steps[1]}t1_f16"))
                 except Exception:
                     pass
         v["stream"] = {}  # down's D -> moe_stream2x<D>_f16, in sources that have it
@@ -260,6 +283,23 @@ def main() -> int:
                           f"{2 * half / copy_us / 1e3:>6.0f} {2 * half / copy_us / 1e3 / (bw / 1e9):>8.1%}  "
                           "(a copy of as many bytes, read + write)")
                     del bufs
+                    floor_kernel = cp.RawKernel(READ_FLOOR, "read_floor")
+                    sink = cp.zeros(1, cp.uint32)
+                    reads = [{kn: cp.empty(nbytes[kn] // 16 * 16, cp.uint8) for kn in nbytes} for _ in range(LAYERS)]
+
+                    def read(kn, layer):
+                        n = reads[layer][kn].size // 16
+                        floor_kernel((-(-n // (4 * CUDA_THREADS)),), (CUDA_THREADS,), (reads[layer][kn], np.int64(n), sink))
+
+                    fl = {kn: timed(cp, [lambda n=n, kn=kn: read(kn, n % LAYERS) for n in range(ITERS)], args.reps)
+                          for kn in nbytes}
+                    fboth = timed(cp, [lambda n=n, kn=kn: read(kn, n % LAYERS) for n in range(ITERS) for kn in nbytes],
+                                  args.reps) * 2
+                    tb = sum(nbytes.values())
+                    print(f"{name:<18} {t:>2} {'read floor':<12} {fl['gate_up']:>8.1f} {fl['down']:>8.1f} {fboth:>8.1f} "
+                          f"{tb / 1e6:>6.2f} {tb / fboth / 1e3:>6.0f} {tb / fboth / 1e3 / (bw / 1e9):>8.1%}  "
+                          "(each kernel's bytes read, nothing computed: the pair's floor)")
+                    del reads
                 def error_of(launch_layer0) -> float:
                     """Relative error against the reference of ``out`` after ``launch_layer0(0)`` (out zeroed first)."""
                     out[...] = 0
@@ -278,7 +318,8 @@ def main() -> int:
                         down, grid2 = v["mma_kernels"][steps][1], (t, h // 16)
                         label += "/mix"
                     elif steps in v["mma_kernels"]:  # the lowering's tensor-core pair and its grids
-                        (gate_up, down), grid1, grid2 = v["mma_kernels"][steps], (t, -(-k * i // 8 // v["mgate"])), (t, h // 16)
+                        pair = v["mma_kernels"].get((steps, 1), v["mma_kernels"][steps]) if t == 1 else v["mma_kernels"][steps]
+                        (gate_up, down), grid1, grid2 = pair, (t, -(-k * i // 8 // v["mgate"])), (t, h // 16)
                         label += "/mma"
 
                     # sources with moe_fused: down also takes the shared expert and its gate (absent: flag SHARED off)

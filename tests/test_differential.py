@@ -481,6 +481,33 @@ def test_fused_moe_takes_the_tensor_core_pair_on_iree_cuda_where_it_applies(tmp_
         assert np.abs(got - want).max() <= 1e-2 * max(1.0, float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("mode", ["routed", "softmax_topk"])
+def test_a_one_token_graph_takes_downs_one_token_export(tmp_path, mode):
+    """A FusedMoE whose hidden has a static token count of 1 (a decode graph) lowers down to
+    ``moe_down_mma<S>t1_f16`` in an executable of its own name (``..._mma<S><S>t1``), gate_up unchanged; the same
+    op with a symbolic token count keeps ``moe_down_mma<S>_f16``. With a CUDA device, the one-token module's output
+    equals the reference."""
+    attrs, hidden, scores, weights = _int4_sample(mode, 2048, 384, 128, True, k=8, t=1)
+    model = _moe_model(attrs, hidden, scores, weights)
+    for v in (*model.graph.input, *model.graph.output):
+        v.type.tensor_type.shape.dim[0].dim_value = 1
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    m = apply(path, tmp_path / "out", backend="iree", target="cuda")
+    mlir = (tmp_path / "out" / m.files["mlir"]).read_text()
+    assert (mlir.count("::@moe_gate_up_mma2_f16["), mlir.count("::@moe_down_mma4t1_f16["), mlir.count("::@moe_down_mma4_f16[")) == (1, 1, 0)
+    assert "_mma24t1::@moe_down_mma4t1_f16[" in mlir
+    onnx.save(_moe_model(attrs, hidden, scores, weights), path)
+    m2 = apply(path, tmp_path / "dyn", backend="iree", target="cuda")
+    mlir2 = (tmp_path / "dyn" / m2.files["mlir"]).read_text()
+    assert (mlir2.count("::@moe_down_mma4_f16["), mlir2.count("t1_f16")) == (1, 0)
+    if not _cuda_device():
+        return
+    want = _moe_reference(attrs, hidden, scores, weights).astype(np.float64)
+    got = load_runner(tmp_path / "out").run({"hidden": hidden, "scores": scores})["y"].astype(np.float64)
+    assert np.abs(got - want).max() <= 1e-2 * max(1.0, float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("el, bs, h, i, k, steps", [
     ("f16", 128, 2048, 768, 8, (2, 6)),     # Qwen3-30B-A3B's layer
     ("f16", 128, 2048, 1408, 4, (2, 6)),    # Qwen1.5-MoE-A2.7B's (k * I = 5632)

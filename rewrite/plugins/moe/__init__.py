@@ -498,7 +498,7 @@ class MoE(Plugin):
     opset_range = (13, 28)
     kernels = (KernelObject("moe_gate_up_swiglu, moe_down_proj_reduce", "iree", "llvm-cpu", "kernels/moe_cpu.c"),
                KernelObject("moe_gate_up_f32/f16, moe_down_f32/f16, the tensor-core moe_gate_up_mma<S>_f16 and "
-                            "moe_down_mma<S>_f16, moe_fused_f32/f16", "iree", "cuda", "kernels/moe_cuda.cu"))
+                            "moe_down_mma<S>_f16 (moe_down_mma<S>t1_f16 for one token), moe_fused_f32/f16", "iree", "cuda", "kernels/moe_cuda.cu"))
 
     @property
     def rules(self):

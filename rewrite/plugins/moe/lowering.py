@@ -339,7 +339,9 @@ class FusedMoE(AbstractOp):
         launches (the default), where :func:`cuda_mma_steps` holds (f16, INT4 blocks of 128: the seeds' decode
         layers) and the option ``moe.tensor_cores`` is not false, the two kernels are the tensor-core pair
         ``moe_gate_up_mma<S>_f16`` on (T, ceil(k * I / 8 / :data:`MMA_GATE_GROUPS`)) and ``moe_down_mma<S>_f16`` on (T, H / 16), same bindings and
-        constants (``moe_fused`` and the sites past its slots keep the other pair). The INT4
+        constants (``moe_fused`` and the sites past its slots keep the other pair); where hidden's token count is
+        statically 1 (a decode graph), down is the one-token export ``moe_down_mma<S>t1_f16`` (the same sums, its
+        act values read before its weights). The INT4
         dequantization is inside the dot product (the kernel source's header gives the fast path); down adds the
         gated shared expert and the addend in its store. The scalars are i32 push constants (10; moe_fused also
         its two row-block counts and its site).
@@ -510,9 +512,11 @@ class FusedMoE(AbstractOp):
         else:
             lines.append(f"    %o3 = tensor.cast %o2 : tensor<?x{H}x{el}> to tensor<?x{H}x{el}>")
         lines.append(f"    %out0 = tensor.cast %o3 : tensor<?x{H}x{el}> to {op.result_types[0].builtin}")
+        # decode (hidden's token count statically 1): down's one-token export, its act values read before its weights
+        one_token = mma is not None and tys[0].dims[0] == 1
         gate_k, down_k = (f"moe_gate_up_{el}", f"moe_down_{el}") if mma is None else \
-            (f"moe_gate_up_mma{mma[0]}_{el}", f"moe_down_mma{mma[1]}_{el}")
-        name += "" if mma is None else f"_mma{mma[0]}{mma[1]}"
+            (f"moe_gate_up_mma{mma[0]}_{el}", f"moe_down_mma{mma[1]}{'t1' if one_token else ''}_{el}")
+        name += "" if mma is None else f"_mma{mma[0]}{mma[1]}{'t1' if one_token else ''}"
         body = "\n".join(lines).replace("@moe_exec::", f"@{name}::")
         if cuda:  # a PTX export is named after its kernel
             body = body.replace(f"@{name}::@gate_up", f"@{name}::@{gate_k}").replace(f"@{name}::@down", f"@{name}::@{down_k}")

@@ -5,7 +5,8 @@
 //   t, h, i, e, k, bs, flags, alpha_bits, beta_bits, limit_bits
 // (moe_fused also gy1, gy2: the row blocks per token of each half, and its dispatch site's counter slot).
 // moe_gate_up_mma<S>_f16 / moe_down_mma<S>_f16 are the same pair on the tensor cores for f16 INT4 blocks of 128
-// (the lowering's choice where its shape allows; the last section of this file), with the same bindings.
+// (the lowering's choice where its shape allows; the last section of this file), with the same bindings;
+// moe_down_mma<S>t1_f16 is that down for a graph of one token (decode).
 // moe_fused_<el> is both halves in one launch (the lowering's choice with moe.launches=1; see fused() below):
 // bindings x, logits, ids, w1, s1, z1, b1, w2, s2, z2, b2, shared, gate, out, act. moe_gate_up_<el> then moe_down_<el> are the same work in
 // two launches (down's bindings: logits, ids, act, w2, s2, z2, b2, shared, gate, out).
@@ -671,6 +672,28 @@ __device__ __forceinline__ void stage_sums(float s, float xs, int g0, int n, flo
   int b = (g0 + lane) / 16;
   if ((lane & 15) == 0 && b < n / 128) sums[b] = make_float2(s, xs);
 }
+// The same in two parts, for a warp that can hold all its values in registers (n <= 256 NI): stage_load issues
+// every load of this lane's groups of 8 at once (one L2 round trip, not one per 256 values), stage_store converts
+// and stores them; a caller issues its weight loads between the two.
+template <int NI, typename V>
+__device__ __forceinline__ void stage_load(const V* __restrict__ v, int n, float (&f)[NI][8]) {
+  int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < NI; ++i)
+    if (32 * i + lane < n / 8) load8(v, 8 * (32 * i + lane), f[i]);
+}
+template <int NI>
+__device__ __forceinline__ void stage_store(const float (&f)[NI][8], int n, uint4* sh, float2* sums) {
+  int lane = threadIdx.x & 31, np = n / 32;
+#pragma unroll
+  for (int i = 0; i < NI; ++i) {  // round i: groups 32 i .. 32 i + 31
+    if (32 * i >= n / 8) break;
+    int gi = 32 * i + lane;
+    float s = 0.f, xs = 0.f;
+    if (gi < n / 8) stage_eight(f[i], gi, np, sh, s, xs);
+    stage_sums(s, xs, 32 * i, n, sums);
+  }
+}
 template <typename V>
 __device__ __forceinline__ void stage_mma(const V* __restrict__ v, int n, uint4* sh, float2* sums) {
   int lane = threadIdx.x & 31, np = n / 32;
@@ -797,8 +820,11 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
   }
 }
 
-// down with at most S blocks of 128 codes per warp (k * I <= 128 * S * WARPS)
-template <int S>
+// down with at most S blocks of 128 codes per warp (k * I <= 128 * S * WARPS). EARLY (the one-token export): each
+// warp reads its act values into registers before its weight loads and converts them once those are issued, so
+// their L2 round trip overlaps the weights' (150 registers instead of 124: one workgroup an SM, which costs more
+// tokens than it saves at one, where the 128 workgroups of H = 2048 take one SM each; BENCHMARKS.md)
+template <int S, bool EARLY>
 __device__ void down_mma(const float* act, const void* w2, const __half* s2, const uint8_t* z2, const __half* b2,
                          const __half* shared, const __half* gate, __half* out, int T, int H, int I, int K, int flags) {
   __shared__ __align__(16) uint4 xs[WARPS][S * 16];
@@ -807,6 +833,9 @@ __device__ void down_mma(const float* act, const void* w2, const __half* s2, con
   int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, tok = blockIdx.x;
   int nst = K * I / 128, st0 = warp * nst / WARPS, cnt = (warp + 1) * nst / WARPS - st0, nb = I / 128;
   const float* tail = act + (long long)T * K * I + 2LL * K * tok;  // the routing gate_up left: k weights, k ids
+  const float* mine = act + (long long)tok * K * I + st0 * 128;     // this warp's blocks of the token's k act rows
+  float early[EARLY ? (S + 1) / 2 : 1][8];
+  if (EARLY) stage_load(mine, cnt * 128, early);
   bool staged = false;
   for (int h0 = blockIdx.y * 16; h0 < H; h0 += gridDim.y * 16) {
     uint4 wa[S], wb[S];
@@ -826,7 +855,10 @@ __device__ void down_mma(const float* act, const void* w2, const __half* s2, con
       zb[s] = (flags & ZERO_POINTS) ? (float)__ldg(z2 + rb * nb + blk) : 8.f;
     }
     if (!staged) {  // this warp's blocks of the token's k act rows (contiguous), while its first loads fly
-      stage_mma(act + (long long)tok * K * I + st0 * 128, cnt * 128, xs[warp], sums[warp]);
+      if (EARLY)
+        stage_store(early, cnt * 128, xs[warp], sums[warp]);
+      else
+        stage_mma(mine, cnt * 128, xs[warp], sums[warp]);
       __syncwarp();
       staged = true;
     }
@@ -868,21 +900,27 @@ __device__ __forceinline__ bool mma_shape(int flags, int bs, int H, int I) {
     if (!mma_shape(flags, bs, H, I) || H != 128 * S * WARPS) __trap();                                           \
     gate_up_mma<S>(x, logits, given, w1, s1, z1, b1, act, t, H, I, E, K, flags, alpha_b, beta_b, limit_b);       \
   }
-#define DOWN_MMA(S)                                                                                              \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down_mma##S##_f16(                                \
+#define DOWN_MMA(S, EARLY, SUFFIX)                                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down_mma##S##SUFFIX##_f16(                        \
       const __half* logits, const long long* given, const float* act, const void* w2, const __half* s2,          \
       const uint8_t* z2, const __half* b2, const __half* shared, const __half* gate, __half* out, int t, int H,  \
       int I, int E, int K, int bs, int flags, int alpha_b, int beta_b, int limit_b) {                            \
     (void)logits, (void)given, (void)E, (void)alpha_b, (void)beta_b, (void)limit_b;                              \
     if (!mma_shape(flags, bs, H, I) || K * I > 128 * S * WARPS) __trap();                                        \
-    down_mma<S>(act, w2, s2, z2, b2, shared, gate, out, t, H, I, K, flags);                                      \
+    down_mma<S, EARLY>(act, w2, s2, z2, b2, shared, gate, out, t, H, I, K, flags);                               \
   }
 // MMA_GATE_STEPS and MMA_DOWN_STEPS in lowering.py: the S of each export
 GATE_UP_MMA(1)
 GATE_UP_MMA(2)
 GATE_UP_MMA(3)
 GATE_UP_MMA(4)
-DOWN_MMA(2)
-DOWN_MMA(4)
-DOWN_MMA(6)
-DOWN_MMA(8)
+// moe_down_mma<S>t1_f16: the lowering's choice where the token count is statically 1 (decode); any T computes
+// the same sums
+DOWN_MMA(2, false, )
+DOWN_MMA(4, false, )
+DOWN_MMA(6, false, )
+DOWN_MMA(8, false, )
+DOWN_MMA(2, true, t1)
+DOWN_MMA(4, true, t1)
+DOWN_MMA(6, true, t1)
+DOWN_MMA(8, true, t1)
