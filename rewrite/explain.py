@@ -40,7 +40,10 @@ class RuleExplanation:
 
     Attributes:
         status: ``fired``, ``refused``, ``partial``, ``no-anchor``, or ``would-fire`` (a match the check
-            accepts exists on the plugin's input graph but the run consumed it another way).
+            accepts exists on the plugin's input graph but the run consumed it another way); for a step of a
+            plugin without pattern rules (a pass that finds its matches itself, as ``quant4``), ``fired`` or
+            ``refused`` with the reasons its report recorded in ``refusals``.
+        refusals: (reason, nodes) a pass's step recorded (empty for pattern rules).
         pairs: (pattern node label, graph node name) matched, in match order.
         size: number of pattern nodes.
         node: the graph node the stopping reason is about.
@@ -56,17 +59,22 @@ class RuleExplanation:
     node: str | None = None
     anchor: str | None = None
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    refusals: list[tuple[str, list[str]]] = field(default_factory=list)
     rank: tuple = field(default=(), repr=False, compare=False)  # (refused or would-fire, matched pattern nodes)
 
     def to_json(self) -> dict:
         return {"plugin": self.plugin, "rule": self.rule, "matches": self.matches, "status": self.status, "reason": self.reason,
-                "node": self.node, "anchor": self.anchor, "matched": [list(p) for p in self.pairs], "pattern_nodes": self.size}
+                "node": self.node, "anchor": self.anchor, "matched": [list(p) for p in self.pairs], "pattern_nodes": self.size,
+                "refusals": [{"reason": r, "nodes": ns} for r, ns in self.refusals]}
 
     def lines(self) -> list[str]:
         """Human-readable lines (first line: plugin/rule and status)."""
         head = f"{self.plugin}/{self.rule}: "
+        refused = [f"    refused {len(ns)}x: {r} ({', '.join(ns[:3])}{', ...' if len(ns) > 3 else ''})" for r, ns in self.refusals]
         if self.status == "fired":
-            return [head + f"fired {self.matches} time(s)"]
+            return [head + f"fired {self.matches} time(s)"] + refused
+        if self.refusals:
+            return [head + "did not fire (a pass without pattern rules)"] + refused
         if self.matches:  # explained at a --node where it did not fire
             head += f"fired {self.matches} time(s) elsewhere; here it "
         if self.status == "no-anchor":
@@ -171,6 +179,11 @@ def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[st
             if ex.matches and (node is None or ex.status == "would-fire"):
                 ex.status, ex.reason, ex.node, ex.anchor, ex.pairs = "fired", None, None, None, []
             out.append(ex)
+        if not p.rules:  # a pass: its own steps, as its report recorded them
+            for rep in report.rules.values():
+                out.append(RuleExplanation(p.short, rep.rule, "", 0, matches=rep.matches,
+                                           status="fired" if rep.matches else "refused",
+                                           refusals=[(r, list(ns)) for r, ns in rep.refusals.items()]))
     return out
 
 

@@ -169,3 +169,25 @@ def test_explain_names_the_altered_moe_layer():
     assert "largest=0" in seed.reason
     assert ("gate_dq", "/model/layers.1/mlp/DequantizeLinear") in seed.pairs
     assert all("/layers.1/" in g for _, g in seed.pairs)
+
+
+def test_a_pass_without_pattern_rules_explains_its_own_steps():
+    """``quant4`` finds its weights itself (no pattern rules): explain lists each of its steps with the matches and
+    the refusals its report recorded, instead of nothing."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((256, 64)).astype(np.float32), "big"),
+             numpy_helper.from_array(rng.standard_normal((64, 8)).astype(np.float32), "small")]
+    nodes = [helper.make_node("MatMul", ["X", "big"], ["H"], name="mm_big"),
+             helper.make_node("MatMul", ["H", "small"], ["Y"], name="mm_small")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TP.FLOAT, [2, 256])],
+                          [helper.make_tensor_value_info("Y", TP.FLOAT, [2, 8])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    exps = {e.rule: e for e in explain(model, "quant4")}
+    dense = exps["dense-weight"]
+    assert (dense.status, dense.matches) == ("fired", 1)
+    assert dense.refusals == [("512 elements < min_elements 4096", ["small"])]
+    assert dense.lines() == ["quant4/dense-weight: fired 1 time(s)", "    refused 1x: 512 elements < min_elements 4096 (small)"]
+    assert dense.to_json()["refusals"] == [{"reason": "512 elements < min_elements 4096", "nodes": ["small"]}]
