@@ -85,11 +85,15 @@ def _parse_opts(opts: tuple[str, ...]) -> dict[str, dict]:
 def _load_feeds(path: str | None) -> dict[str, np.ndarray] | None:
     if path is None:
         return None
+    import ml_dtypes
+
     try:
         with np.load(path) as z:
-            return {k: z[k] for k in z.files}
+            feeds = {k: z[k] for k in z.files}
     except (OSError, ValueError) as e:
         raise RewriteError(f"{path}: cannot read inputs ({e}); expected an .npz of arrays named after the model inputs") from e
+    # numpy has no bfloat16: an .npz keeps ml_dtypes' bfloat16 as 2-byte voids ('run --save' writes them so)
+    return {k: a.view(ml_dtypes.bfloat16) if a.dtype.kind == "V" and a.dtype.itemsize == 2 else a for k, a in feeds.items()}
 
 
 @click.group()
@@ -376,7 +380,8 @@ def explain_cmd(model, plugin_names, node, dims, show_all, json_path, freeze_inp
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False), help=".npz of inputs by name (default: generated).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--save", "save_path", type=click.Path(dir_okay=False), help="Write the outputs to this .npz.")
+@click.option("--save", "save_path", type=click.Path(dir_okay=False),
+              help="Write the outputs to this .npz (bfloat16 as its 2-byte bits, which --inputs reads back as bfloat16).")
 @click.option("--low-memory/--no-low-memory", "low_memory", default=None,
               help="Keep an ort folder's weights memory-mapped (ONNX Runtime prepacking off: memory that does not grow "
                    "with the weights, calls about 10x slower). Default: on when the folder's files exceed 40% of the "

@@ -190,6 +190,16 @@ def test_bfloat16_inputs_and_outputs_run_and_verify_on_onnx_runtime(tmp_path):
     assert res["y"].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(res["y"].astype(np.float32), 2 * x.astype(np.float32))
     np.testing.assert_array_equal(res["f"], 2 * x.astype(np.float32))
+    # run --save keeps bfloat16 as its bits; --inputs reads them back as bfloat16 (y fed back as x: 4 x)
+    saved, feeds = tmp_path / "saved.npz", tmp_path / "feeds.npz"
+    np.savez(feeds, x=x, s=np.array(7, np.int64))
+    assert rewrite("run", out, "--inputs", feeds, "--save", saved).returncode == 0
+    with np.load(saved) as z:
+        np.savez(feeds, x=z["y"], s=z["s_out"])
+    assert rewrite("run", out, "--inputs", feeds, "--save", saved).returncode == 0
+    with np.load(saved) as z:
+        assert z["y"].dtype.kind == "V" and z["y"].dtype.itemsize == 2
+        np.testing.assert_array_equal(z["f"], 4 * x.astype(np.float32))
 
 
 def test_the_output_folder_takes_the_umask_not_the_staging_folder_s_0700(tmp_path):
