@@ -190,11 +190,16 @@ def test_file_option_in_a_missing_folder_is_refused_before_any_work(tmp_path, co
 
 
 def _unsupported_on_iree(kind: str) -> onnx.ModelProto:
-    """One node IREE 3.13 cannot compile, without a name, after a named Relu: a TopK with sorted=0, or a
-    ReduceSum whose axes are a graph input."""
+    """One node IREE 3.13 cannot compile or call, without a name, after a named Relu: a TopK with sorted=0, a
+    ReduceSum whose axes are a graph input, or an Identity of a string graph input."""
     relu = helper.make_node("Relu", ["x"], ["r"], name="relu")
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
-    if kind == "topk-unsorted":
+    if kind == "string-input":  # passes through: IREE compiles it, and its runtime cannot call the module
+        g = helper.make_graph([relu, helper.make_node("Identity", ["s"], ["s_out"])], "g",
+                              [x, helper.make_tensor_value_info("s", TensorProto.STRING, [2])],
+                              [helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 8]),
+                               helper.make_tensor_value_info("s_out", TensorProto.STRING, [2])])
+    elif kind == "topk-unsorted":
         g = helper.make_graph([relu, helper.make_node("TopK", ["r", "k"], ["v", "i"], sorted=0)], "g", [x],
                               [helper.make_tensor_value_info("v", TensorProto.FLOAT, [2, 3]), helper.make_tensor_value_info("i", TensorProto.INT64, [2, 3])],
                               [numpy_helper.from_array(np.array([3], np.int64), "k")])
@@ -208,6 +213,7 @@ def _unsupported_on_iree(kind: str) -> onnx.ModelProto:
 @pytest.mark.parametrize("kind, message", [
     ("topk-unsorted", "node '<unnamed #1>' (TopK): TopK with sorted=0 is not supported by IREE's ONNX import"),
     ("reduce-runtime-axes", "node '<unnamed #1>' (ReduceSum): axes 'axes' are known only at run time"),
+    ("string-input", "graph input 's' is tensor(string): IREE has no string tensors"),
 ])
 def test_node_iree_cannot_compile_is_refused_before_compiling_naming_the_unnamed_node(tmp_path, kind, message):
     """IREE 3.13's own errors for these name an internal torch op, not the ONNX node; the node has no name, so

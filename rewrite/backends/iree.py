@@ -284,8 +284,14 @@ def refuse_unsupported(graph: Graph) -> None:
     Raises:
         BackendError: a ``TopK`` with ``sorted=0`` (iree-compile: "failed to legalize operation
             'torch.constant.int'"); a Reduce op whose ``axes`` are known only at run time (iree-compile:
-            "failed to legalize 'torch.aten.sum.dim_IntList'").
+            "failed to legalize 'torch.aten.sum.dim_IntList'"); a graph input or output of strings (IREE has no
+            string tensors: a module compiled from a pass-through string value cannot be called).
     """
+    for name in (*graph.inputs, *graph.outputs):
+        if graph.values[name].dtype == onnx.TensorProto.STRING:
+            where = "input" if name in graph.inputs else "output"
+            raise BackendError(f"graph {where} '{name}' is tensor(string): IREE has no string tensors (its runtime "
+                               "cannot pass one to a module); lower this model with --backend ort")
     for n in graph.topo_nodes():
         if n.domain not in ("", "ai.onnx"):
             continue
