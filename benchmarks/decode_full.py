@@ -273,16 +273,23 @@ STEP_RANGE, ARGMAX_RANGE = "decode step", "argmax"  #: record_function ranges of
 #: kineto's activity types of GPU work: kernels, copies and memsets; not the record_function ranges CUPTI also puts
 #: on the GPU's timeline (``gpu_user_annotation``: a step's whole span) nor CUPTI's own ``overhead`` records
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+#: CUPTI's overhead records by name (``CUpti_ActivityOverheadKind``), for a torch whose events carry no activity type
+CUPTI_OVERHEAD = ("Activity Buffer Request", "Activity Buffer Flush", "Instrumentation", "Resource",
+                  "Runtime Triggered Module Loading", "Lazy Function Loading", "Command Buffer Full")
 
 
 def gpu_work(prof) -> list[tuple[str, int, int]]:
     """The GPU work a ``torch.profiler`` run recorded, as (name, start ns, end ns): the events of
-    :data:`GPU_WORK` types with a duration. Where kineto names no event so (a torch that spells its activity types
-    otherwise), every GPU event but the :data:`STEP_RANGE` and :data:`ARGMAX_RANGE` ranges."""
+    :data:`GPU_WORK` types with a duration. Where kineto names no event so (torch 2.11's ``_KinetoEvent`` has no
+    ``activity_type``, or a torch that spells the types otherwise), every GPU event but the :data:`STEP_RANGE` and
+    :data:`ARGMAX_RANGE` ranges and :data:`CUPTI_OVERHEAD`."""
+    def activity(e) -> str | None:
+        return e.activity_type() if hasattr(e, "activity_type") else None
+
     gpu = [e for e in prof.profiler.kineto_results.events()
            if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0]
-    work = ([e for e in gpu if e.activity_type() in GPU_WORK]
-            or [e for e in gpu if e.name() not in (STEP_RANGE, ARGMAX_RANGE)])
+    work = ([e for e in gpu if activity(e) in GPU_WORK]
+            or [e for e in gpu if e.name() not in (STEP_RANGE, ARGMAX_RANGE, *CUPTI_OVERHEAD)])
     return [(e.name(), e.start_ns(), e.start_ns() + e.duration_ns()) for e in work]
 
 

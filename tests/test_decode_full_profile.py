@@ -83,3 +83,20 @@ def test_host_phases_end_at_the_last_work_not_at_the_range():
     assert phases["step"] == pytest.approx(10.0)
     assert phases["gpu_end_to_return"] == pytest.approx(3.5)  # the copy ends at 6.5 us of the step's 10
     assert phases["to_first_launch"] == pytest.approx(0.3) and phases["argmax"] == pytest.approx(0.3)
+
+
+
+class UntypedEvent:
+    """torch 2.11's _KinetoEvent: an Event without ``activity_type``."""
+
+    def __init__(self, e: Event):
+        self.name, self.device_type, self.start_ns, self.duration_ns = e.name, e.device_type, e.start_ns, e.duration_ns
+
+
+def test_a_torch_without_activity_types_still_counts_the_work_not_the_ranges():
+    untyped = Trace([UntypedEvent(e) for e in two_steps().profiler.kineto_results.events()])
+    rows = {r["kernel"]: r for r in decode_full.kernel_rows(untyped, steps=2)}
+    assert set(rows) == {"k", "Memcpy DtoH (Device -> Pinned)"}  # not the ranges, not CUPTI's overhead
+    assert rows["k"]["us_per_token"] == pytest.approx(3.0)
+    assert decode_full.timeline(untyped, steps=2, wall_s=40e-6)["busy_us"] == pytest.approx(3.5)
+    assert decode_full.host_phases(untyped)["gpu_end_to_return"] == pytest.approx(3.5)
