@@ -41,8 +41,8 @@ class RuleExplanation:
     Attributes:
         status: ``fired``, ``refused``, ``partial``, ``no-anchor``, or ``would-fire`` (a match the check
             accepts exists on the plugin's input graph but the run consumed it another way); for a step of a
-            plugin without pattern rules (a pass that finds its matches itself, as ``quant4``), ``fired`` or
-            ``refused`` with the reasons its report recorded in ``refusals``.
+            plugin without pattern rules (a pass that finds its matches itself, as ``quant4``), ``fired``,
+            ``refused`` with the reasons its report recorded in ``refusals``, or ``no-anchor`` (nothing found).
         refusals: (reason, nodes) a pass's step recorded (empty for pattern rules).
         pairs: (pattern node label, graph node name) matched, in match order.
         size: number of pattern nodes.
@@ -181,9 +181,11 @@ def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[st
             out.append(ex)
         if not p.rules:  # a pass: its own steps, as its report recorded them
             for rep in report.rules.values():
-                out.append(RuleExplanation(p.short, rep.rule, "", 0, matches=rep.matches,
-                                           status="fired" if rep.matches else "refused",
-                                           refusals=[(r, list(ns)) for r, ns in rep.refusals.items()]))
+                refusals = [(r, list(ns)) for r, ns in rep.refusals.items()]
+                status = "fired" if rep.matches else "refused" if refusals else "no-anchor"
+                out.append(RuleExplanation(p.short, rep.rule, "", 0, matches=rep.matches, status=status,
+                                           reason="the pass found nothing to rewrite" if status == "no-anchor" else None,
+                                           refusals=refusals))
     return out
 
 

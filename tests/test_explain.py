@@ -191,3 +191,10 @@ def test_a_pass_without_pattern_rules_explains_its_own_steps():
     assert dense.refusals == [("512 elements < min_elements 4096", ["small"])]
     assert dense.lines() == ["quant4/dense-weight: fired 1 time(s)", "    refused 1x: 512 elements < min_elements 4096 (small)"]
     assert dense.to_json()["refusals"] == [{"reason": "512 elements < min_elements 4096", "nodes": ["small"]}]
+    # nothing for it to quantize: the step says so (not "check refused a full match")
+    tiny = helper.make_model(helper.make_graph([helper.make_node("Relu", ["X"], ["Y"], name="relu")], "g",
+                                               [helper.make_tensor_value_info("X", TP.FLOAT, [2])],
+                                               [helper.make_tensor_value_info("Y", TP.FLOAT, [2])]),
+                             opset_imports=[helper.make_opsetid("", 21)])
+    lines = [line for e in explain(tiny, "quant4") for line in e.lines()]
+    assert lines and all(line.endswith("did not fire: the pass found nothing to rewrite") for line in lines), lines
