@@ -273,9 +273,11 @@ STEP_RANGE, ARGMAX_RANGE = "decode step", "argmax"  #: record_function ranges of
 #: kineto's activity types of GPU work: kernels, copies and memsets; not the record_function ranges CUPTI also puts
 #: on the GPU's timeline (``gpu_user_annotation``: a step's whole span) nor CUPTI's own ``overhead`` records
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
-#: CUPTI's overhead records by name (``CUpti_ActivityOverheadKind``), for a torch whose events carry no activity type
-CUPTI_OVERHEAD = ("Activity Buffer Request", "Activity Buffer Flush", "Instrumentation", "Resource",
-                  "Runtime Triggered Module Loading", "Lazy Function Loading", "Command Buffer Full")
+#: CUPTI's overhead records by the names kineto gives them (its ``overheadKindString``), for a torch whose events
+#: carry no activity type
+CUPTI_OVERHEAD = ("Unknown", "Driver Compiler", "Buffer Flush", "Instrumentation", "Resource", "Runtime Triggered Module Loading",
+                  "Lazy Function Loading", "Command Buffer Full", "Activity Buffer Request", "UVM Activity Init",
+                  "Unrecognized")
 
 
 def gpu_work(prof) -> list[tuple[str, int, int]]:

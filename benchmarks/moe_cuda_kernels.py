@@ -14,7 +14,7 @@ compare directly. The kernels are launched as IREE launches them (rewrite/plugin
 ``lower_iree_cuda``): the bindings' pointers, then the 10 push constants as 32-bit integers, on the same grid.
 Where the lowering takes the tensor-core pair (``cuda_mma_steps``: the seeds' shapes, either mode) and the
 source has its exports, that pair runs on its grid (the row's variant name gets ``/mma``), at T = 1 with the
-one-token down ``moe_down_mma<S>t1_f16`` where the source has it, as the lowering for a decode graph; ``mma=0`` keeps the
+one-token down ``moe_down_mma<S>t1_f16`` where the source has it, as the lowering for a decode graph (``/mma-t1``); ``mma=0`` keeps the
 other pair, ``mix=1`` takes the other pair's gate_up with the tensor-core down (``/mix``: the same act rows and
 routing tail between them; not a choice of the lowering). ``mgate=N`` gives the tensor-core gate_up N of its
 groups per workgroup (its grid's y divided by N; default the lowering's ``MMA_GATE_GROUPS``).
@@ -318,9 +318,10 @@ def main() -> int:
                         down, grid2 = v["mma_kernels"][steps][1], (t, h // 16)
                         label += "/mix"
                     elif steps in v["mma_kernels"]:  # the lowering's tensor-core pair and its grids
-                        pair = v["mma_kernels"].get((steps, 1), v["mma_kernels"][steps]) if t == 1 else v["mma_kernels"][steps]
+                        one = t == 1 and (steps, 1) in v["mma_kernels"]
+                        pair = v["mma_kernels"][steps, 1] if one else v["mma_kernels"][steps]
                         (gate_up, down), grid1, grid2 = pair, (t, -(-k * i // 8 // v["mgate"])), (t, h // 16)
-                        label += "/mma"
+                        label += "/mma-t1" if one else "/mma"
 
                     # sources with moe_fused: down also takes the shared expert and its gate (absent: flag SHARED off)
                     shared = (dummy_b, dummy_b) if v["fused"] is not None else ()

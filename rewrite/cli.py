@@ -93,7 +93,8 @@ def _load_feeds(path: str | None) -> dict[str, np.ndarray] | None:
     except (OSError, ValueError) as e:
         raise RewriteError(f"{path}: cannot read inputs ({e}); expected an .npz of arrays named after the model inputs") from e
     # numpy has no bfloat16: an .npz keeps ml_dtypes' bfloat16 as 2-byte voids ('run --save' writes them so)
-    return {k: a.view(ml_dtypes.bfloat16) if a.dtype.kind == "V" and a.dtype.itemsize == 2 else a for k, a in feeds.items()}
+    return {k: a.view(ml_dtypes.bfloat16) if a.dtype.kind == "V" and a.dtype.itemsize == 2 and a.dtype.names is None else a
+            for k, a in feeds.items()}
 
 
 @click.group()
@@ -367,7 +368,7 @@ def explain_cmd(model, plugin_names, node, dims, show_all, json_path, freeze_inp
     _check_writable("--json", json_path, model=model)
     exps = explain(model, plugin_names, node=node, dims=_parse_dims(dims), freeze_inputs=freeze_inputs, backend=backend)
     for e in exps:
-        if show_all or e.status != "fired":
+        if show_all or e.status != "fired" or e.refusals:  # a pass's refusals, even where its step fired
             click.echo("\n".join(e.lines()))
     fired = [e for e in exps if e.status == "fired"]
     if fired and not show_all:

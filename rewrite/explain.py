@@ -156,13 +156,17 @@ def explain(model: str | os.PathLike | onnx.ModelProto | Graph, plugins: list[st
     Plugins run in memory in the order given (each sees its predecessors' output). A rule that did not fire
     is explained by its best attempt on the graph its plugin was given or on the graph the plugin left (where
     a rule that only applies after another rule's rewrite stopped). With ``node``, a rule that fired elsewhere
-    is still explained at that node. ``model`` is not modified (a Graph is copied).
+    is still explained at that node. A plugin without pattern rules (a pass such as ``quant4``) gets one
+    explanation per step its report lists, with the refusals it recorded (by the node or weight names it
+    chose: not narrowed to ``node``). ``model`` is not modified (a Graph is copied).
 
     Raises:
         RewriteError: unknown plugin, unloadable model, a plugin failure, or ``node`` not in the graph.
     """
     selected = plugins if plugins and isinstance(plugins, list) and isinstance(plugins[0], Plugin) else select_plugins(plugins)
     graph = _load(onnx_io.to_model(model) if isinstance(model, Graph) else model, selected, dims, freeze_inputs)
+    if node is not None and graph.find_node(node) is None:  # here too: a pass has no rule to check it
+        raise RewriteError(f"no node named '{node}' in the graph")
     # by default one backend every plugin rewrites for, as a single `apply` would run them all
     be = backend or next((b for b in ("ort", "iree") if all(b in p.backends for p in selected)), "ort")
     ctx = RewriteContext(backend=be, dims=dict(dims or {}))

@@ -21,6 +21,7 @@ Generated with hypothesis (derandomized, so every run draws the same cases). Wha
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -481,13 +482,28 @@ def test_fused_moe_takes_the_tensor_core_pair_on_iree_cuda_where_it_applies(tmp_
         assert np.abs(got - want).max() <= 1e-2 * max(1.0, float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("mode", ["routed", "softmax_topk"])
-def test_a_one_token_graph_takes_downs_one_token_export(tmp_path, mode):
+def test_every_tensor_core_export_the_lowering_names_is_in_the_shipped_ptx():
+    """The names ``lower_iree_cuda`` can give the tensor-core pair (``moe_gate_up_mma<S>_f16`` for S in
+    MMA_GATE_STEPS, ``moe_down_mma<S>_f16`` and the one-token ``moe_down_mma<S>t1_f16`` for S in MMA_DOWN_STEPS)
+    are entries of the PTX shipped for machines without nvcc: a missing one fails only at module load there."""
+    from rewrite.plugins.moe.lowering import MMA_DOWN_STEPS, MMA_GATE_STEPS
+
+    ptx = (Path(__file__).resolve().parents[1] / "rewrite/plugins/moe/kernels/moe_cuda.sm_80.ptx").read_text()
+    entries = set(re.findall(r"\.entry (\w+)\(", ptx))
+    names = {f"moe_gate_up_mma{s}_f16" for s in MMA_GATE_STEPS}
+    names |= {f"moe_down_mma{s}{t1}_f16" for s in MMA_DOWN_STEPS for t1 in ("", "t1")}
+    assert len(names) == 12 and names <= entries, sorted(names - entries)
+
+
+@pytest.mark.parametrize("mode, i, k, down_s", [("routed", 384, 8, 4), ("softmax_topk", 384, 8, 4),
+                                                ("routed", 768, 8, 6),     # Qwen3-30B-A3B's layer: S = 6
+                                                ("routed", 256, 2, 2), ("routed", 1024, 8, 8)])
+def test_a_one_token_graph_takes_downs_one_token_export(tmp_path, mode, i, k, down_s):
     """A FusedMoE whose hidden has a static token count of 1 (a decode graph) lowers down to
     ``moe_down_mma<S>t1_f16`` in an executable of its own name (``..._mma<S><S>t1``), gate_up unchanged; the same
     op with a symbolic token count keeps ``moe_down_mma<S>_f16``. With a CUDA device, the one-token module's output
     equals the reference."""
-    attrs, hidden, scores, weights = _int4_sample(mode, 2048, 384, 128, True, k=8, t=1)
+    attrs, hidden, scores, weights = _int4_sample(mode, 2048, i, 128, True, k=k, t=1)
     model = _moe_model(attrs, hidden, scores, weights)
     for v in (*model.graph.input, *model.graph.output):
         v.type.tensor_type.shape.dim[0].dim_value = 1
@@ -495,12 +511,13 @@ def test_a_one_token_graph_takes_downs_one_token_export(tmp_path, mode):
     onnx.save(model, path)
     m = apply(path, tmp_path / "out", backend="iree", target="cuda")
     mlir = (tmp_path / "out" / m.files["mlir"]).read_text()
-    assert (mlir.count("::@moe_gate_up_mma2_f16["), mlir.count("::@moe_down_mma4t1_f16["), mlir.count("::@moe_down_mma4_f16[")) == (1, 1, 0)
-    assert "_mma24t1::@moe_down_mma4t1_f16[" in mlir
+    counts = (mlir.count("::@moe_gate_up_mma2_f16["), mlir.count(f"::@moe_down_mma{down_s}t1_f16["),
+              mlir.count(f"::@moe_down_mma{down_s}_f16["))
+    assert counts == (1, 1, 0) and f"_mma2{down_s}t1::@moe_down_mma{down_s}t1_f16[" in mlir
     onnx.save(_moe_model(attrs, hidden, scores, weights), path)
     m2 = apply(path, tmp_path / "dyn", backend="iree", target="cuda")
     mlir2 = (tmp_path / "dyn" / m2.files["mlir"]).read_text()
-    assert (mlir2.count("::@moe_down_mma4_f16["), mlir2.count("t1_f16")) == (1, 0)
+    assert (mlir2.count(f"::@moe_down_mma{down_s}_f16["), mlir2.count("t1_f16")) == (1, 0)
     if not _cuda_device():
         return
     want = _moe_reference(attrs, hidden, scores, weights).astype(np.float64)

@@ -191,6 +191,8 @@ def test_a_pass_without_pattern_rules_explains_its_own_steps():
     assert dense.refusals == [("512 elements < min_elements 4096", ["small"])]
     assert dense.lines() == ["quant4/dense-weight: fired 1 time(s)", "    refused 1x: 512 elements < min_elements 4096 (small)"]
     assert dense.to_json()["refusals"] == [{"reason": "512 elements < min_elements 4096", "nodes": ["small"]}]
+    with pytest.raises(RewriteError, match="no node named 'nowhere' in the graph"):
+        explain(model, "quant4", node="nowhere")  # a pass has no rule to check --node: explain does
     # nothing for it to quantize: the step says so (not "check refused a full match")
     tiny = helper.make_model(helper.make_graph([helper.make_node("Relu", ["X"], ["Y"], name="relu")], "g",
                                                [helper.make_tensor_value_info("X", TP.FLOAT, [2])],

@@ -278,8 +278,8 @@ def _copy_into_data_file(tensors: list[onnx.TensorProto], folder: Path, data_nam
 
 
 def refuse_unsupported(graph: Graph) -> None:
-    """Nodes IREE 3.13 is known not to compile, refused before importing with the node and the reason (its own
-    error names an internal torch op, not the ONNX node).
+    """Nodes IREE 3.13 is known not to compile, and graph inputs or outputs its runtime cannot pass, refused before
+    importing with the node or value and the reason (its own error names an internal torch op, not the ONNX node).
 
     Raises:
         BackendError: a ``TopK`` with ``sorted=0`` (iree-compile: "failed to legalize operation

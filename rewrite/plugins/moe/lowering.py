@@ -649,8 +649,8 @@ def _executable(name: str, obj: str, el: str, wel: str, S: dict[str, int], route
 
 def _cuda_executable(name: str, obj: str, gate_up: str, down: str) -> str:
     """The ``hal.executable.source`` declaring the PTX kernels ``gate_up`` (``moe_gate_up_<el>`` or a tensor-core
-    ``moe_gate_up_mma<S>_f16``: 7 bindings read, the act rows written) and ``down`` (``moe_down_<el>`` or
-    ``moe_down_mma<S>_f16``: 9 read: the routed weights or logits, the ids, act, the down weights, the shared
+    ``moe_gate_up_mma<S>_f16``: 7 bindings read, the act rows written) and ``down`` (``moe_down_<el>``,
+    ``moe_down_mma<S>_f16`` or its one-token ``moe_down_mma<S>t1_f16``: 9 read: the routed weights or logits, the ids, act, the down weights, the shared
     expert and its gate; the output written), 10 i32 push constants, workgroups of CUDA_THREADS threads on the
     grid the dispatch's workload gives (tokens, row blocks)."""
     exports = []

@@ -822,8 +822,9 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
 
 // down with at most S blocks of 128 codes per warp (k * I <= 128 * S * WARPS). EARLY (the one-token export): each
 // warp reads its act values into registers before its weight loads and converts them once those are issued, so
-// their L2 round trip overlaps the weights' (150 registers instead of 124: one workgroup an SM, which costs more
-// tokens than it saves at one, where the 128 workgroups of H = 2048 take one SM each; BENCHMARKS.md)
+// their L2 round trip overlaps the weights' (at S = 6, the seeds' layers, 150 registers instead of 124: one
+// workgroup an SM, which costs more tokens than it saves at one, where the 128 workgroups of H = 2048 take one SM
+// each; BENCHMARKS.md)
 template <int S, bool EARLY>
 __device__ void down_mma(const float* act, const void* w2, const __half* s2, const uint8_t* z2, const __half* b2,
                          const __half* shared, const __half* gate, __half* out, int T, int H, int I, int K, int flags) {
