@@ -208,3 +208,25 @@ def test_the_output_folder_takes_the_umask_not_the_staging_folder_s_0700(tmp_pat
                         f"--plugins cast -o {out}"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
+
+
+def test_float64_graphs_keep_float64_on_iree(tmp_path):
+    """iree-compile demotes f64 to f32 by default, the signature included: the module's f64 results came back
+    with half their bytes and the runtime failed to view them. A graph with float64 values keeps them."""
+    nodes = [helper.make_node("Sigmoid", ["a"], ["b"], name="sig"),
+             helper.make_node("Cast", ["c"], ["d"], to=TensorProto.DOUBLE, name="widen")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.DOUBLE, [2, 3]),
+                                       helper.make_tensor_value_info("c", TensorProto.INT8, [2])],
+                          [helper.make_tensor_value_info("b", TensorProto.DOUBLE, [2, 3]),
+                           helper.make_tensor_value_info("d", TensorProto.DOUBLE, [2])])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), model)
+    out = tmp_path / "out"
+    assert rewrite("apply", model, "--backend", "iree", "-o", out).returncode == 0
+    from rewrite.backends import load_runner
+
+    a = np.array([[1e-300, -2.0, 40.0], [0.5, -700.0, 3.0]])  # sigmoid(-700) ~ 1e-304: no float32
+    res = load_runner(out).run({"a": a, "c": np.array([-7, 100], np.int8)})
+    assert res["b"].dtype == np.float64 and res["d"].dtype == np.float64
+    np.testing.assert_allclose(res["b"], 1 / (1 + np.exp(-a)), rtol=1e-12)
+    np.testing.assert_array_equal(res["d"], [-7.0, 100.0])

@@ -277,6 +277,10 @@ def _copy_into_data_file(tensors: list[onnx.TensorProto], folder: Path, data_nam
             onnx_io.point_external(t, data_name, start, length)
 
 
+#: iree-compile's flag that keeps float64 as float64 (its default demotes every f64 to f32)
+KEEP_F64 = "--iree-input-demote-f64-to-f32=false"
+
+
 def refuse_unsupported(graph: Graph) -> None:
     """Nodes IREE 3.13 is known not to compile, and graph inputs or outputs its runtime cannot pass, refused before
     importing with the node or value and the reason (its own error names an internal torch op, not the ONNX node).
@@ -448,6 +452,11 @@ class IreeBackend:
         flags = [f"--iree-cuda-target={sm}"] if manifest.target == "cuda" else []
         if options.get("stateful"):
             flags.append(STRIP_ASSERTIONS)
+        if any(v.dtype == onnx.TensorProto.DOUBLE for v in graph.values.values()):
+            # iree-compile demotes f64 to f32 by default, the entry function's signature included: a module whose
+            # f64 results come back with half their bytes, which the runtime cannot view (float64 graphs only, so
+            # the others keep their compile cache)
+            flags.append(KEEP_F64)
         compile_mlir(res.mlir_path, folder / "model.vmfb", target=manifest.target, extra_flags=flags)
         if manifest.target == "cuda":
             manifest.target_options = {"cuda_sm": sm}
