@@ -59,7 +59,8 @@ def test_a_target_without_a_lowering_stops_apply_with_one_line(tmp_path):
     r = _cli("apply", _double_model(tmp_path / "double.onnx"), "--backend", "iree", "--target", "cuda", "-o", tmp_path / "out")
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
-    assert line == "error: abstract op Double (at node 'double') has no lowering for iree:cuda; it has lowerings for no target"
+    assert line == ("error: abstract op Double (at node 'double') has no lowering for iree:cuda; it has lowerings for no "
+                    "target (a plugin registers an op's lowerings by listing it in its abstract_ops: docs/writing-a-plugin.md)")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))] == []  # no folder, no staging left
 
 
@@ -148,3 +149,23 @@ def test_declaring_a_target_without_its_method_is_refused():
 
     with pytest.raises(LoweringError, match="Half declares iree targets cuda but has no lower_iree"):
         Half().lowerings()
+
+
+def test_the_builder_declares_an_abstract_ops_domain():
+    """A rewrite's ``b.op(..., domain=DOMAIN)`` declares the domain in the model's opset imports (the checker and
+    ONNX Runtime refuse a node of an undeclared domain); ONNX's own domain is left alone."""
+    from onnx import TensorProto, helper
+
+    from rewrite.core import onnx_io
+    from rewrite.core.abstract_ops import DOMAIN
+    from rewrite.core.rules import Builder
+
+    g = onnx_io.load(helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="r")], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]), opset_imports=[helper.make_opsetid("", 17)]))
+    b = Builder(g, "mine/r", 0.0, "r")
+    assert g.opset(DOMAIN) is None
+    b.op("Neg", ["x"])
+    b.op("Double", ["x"], domain=DOMAIN, dtype=TensorProto.FLOAT, shape=[2])
+    b.op("Double", ["x"], domain=DOMAIN, dtype=TensorProto.FLOAT, shape=[2])
+    assert g.opset(DOMAIN) == 1 and [o.domain for o in g.model_shell.opset_import] == ["", DOMAIN]

@@ -105,5 +105,7 @@ class LoweringRegistry:
         for op_type, where in used.items():
             if self.get(op_type, backend, target) is None:
                 has = self.targets_of(op_type)
+                hint = "" if has else (" (a plugin registers an op's lowerings by listing it in its abstract_ops: "
+                                       "docs/writing-a-plugin.md)")
                 raise LoweringError(f"abstract op {op_type} ({where}) has no lowering for {backend}:{target}; "
-                                    f"it has lowerings for {', '.join(has) if has else 'no target'}")
+                                    f"it has lowerings for {', '.join(has) if has else 'no target'}{hint}")

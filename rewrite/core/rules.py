@@ -63,13 +63,17 @@ class Builder:
         """Add node ``op_type(inputs, **attrs)``; returns its output name (or a tuple for several outputs).
 
         ``dtype``/``shape`` record the output type (a list of dtypes for several outputs); the IREE importer
-        needs a type on every value an abstract op produces.
+        needs a type on every value an abstract op produces. A ``domain`` other than ONNX's is declared in the
+        model's opset imports (version 1) where it is not yet (the checker and ONNX Runtime refuse a node of an
+        undeclared domain).
         """
         if isinstance(outputs, int):
             outs = [self.graph.fresh_name(f"{self._hint}_{op_type}") for _ in range(outputs)]
         else:
             outs = list(outputs)
         self._order += 1e-6
+        if domain not in ("", "ai.onnx"):
+            self.graph.ensure_opset(domain)
         node = self.graph.add_node(
             op_type,
             list(inputs),
