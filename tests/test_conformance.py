@@ -223,3 +223,10 @@ def test_pytest_option_generates_one_item_per_check(tmp_path):
     assert "6 passed" in r.stdout  # 5 negative cases of 'cast' + the package's own test
     items = [line for line in (tmp_path / "items.txt").read_text().splitlines() if "rewrite-conformance::cast/" in line]
     assert len(items) == len(set(items)) == len(checks_for(CastRoundtrip(), tmp_path)) == 15
+
+
+def test_an_unknown_plugin_name_is_a_usage_error_not_a_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rewrite-plugin=nosuch", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 4  # pytest's usage error
+    assert "ERROR: --rewrite-plugin: unknown plugin 'nosuch'; available: " in r.stderr and "INTERNALERROR" not in r.stderr + r.stdout

@@ -40,8 +40,13 @@ def _selected(config: pytest.Config) -> list:
 
     if config.getoption("rewrite_conformance"):
         return list(available_plugins().values())
+    from rewrite.errors import RewriteError
+
     names = [n.strip() for opt in config.getoption("rewrite_plugin") for n in opt.split(",") if n.strip()]
-    return select_plugins(names) if names else []
+    try:
+        return select_plugins(names) if names else []
+    except RewriteError as e:  # an unknown name: a usage error of one line, not pytest's INTERNALERROR traceback
+        raise pytest.UsageError(f"--rewrite-plugin: {e}") from None
 
 
 class ConformanceItem(pytest.Item):
