@@ -95,6 +95,25 @@ def test_parameters_are_linked_not_copied_and_the_folder_keeps_no_link(source, t
     np.testing.assert_array_equal(onnx_io.load(out / "model.onnx").const("W"), w)
 
 
+def test_a_source_whose_every_tensor_is_linked_leaves_no_empty_data_file(tmp_path):
+    """Every external tensor of the source a parameter (linked, then in the .irpa): the folder's own data file,
+    which nothing refers to, is not left behind empty."""
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], [numpy_helper.from_array(w, "w")])
+    src = tmp_path / "src" / "m.onnx"
+    src.parent.mkdir()
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(src), save_as_external_data=True,
+              location="m.onnx.data", size_threshold=0)
+    out = tmp_path / "out"
+    apply(src, out, backend="iree", options={"param_threshold": 1024})
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("model.")) == \
+        ["model.irpa", "model.mlir", "model.onnx", "model.vmfb"]
+    x = np.ones((2, 64), np.float32)
+    np.testing.assert_allclose(load_runner(out).run({"x": x})["y"], x @ w, rtol=1e-5)
+
+
 def test_module_from_links_the_source_too(source, tmp_path, monkeypatch):
     path, w, b = source
     compiled = tmp_path / "compiled"

@@ -244,7 +244,7 @@ def share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int,
 def _share_params(onnx_path: Path, params_path: Path, spans: dict[str, tuple[int, int]]) -> None:
     model = onnx.load(str(onnx_path), load_external_data=False)
     folder = onnx_path.parent
-    old_files = set()
+    old_files = {onnx_path.name + ".data"}  # onnx_io.save's data file, left empty where every tensor went to a link
     for t in model.graph.initializer:
         location = {e.key: e.value for e in t.external_data}.get("location") if t.data_location == onnx.TensorProto.EXTERNAL else None
         if location is not None:
