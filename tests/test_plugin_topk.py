@@ -412,3 +412,33 @@ def test_every_router_mode_compiles_for_iree_cuda_from_the_c_kernel(tmp_path, ca
         np.testing.assert_array_equal(got["indices"], i)
         tol = 1e-3 if got["weights"].dtype == np.float16 else 1e-5
         np.testing.assert_allclose(got["weights"].astype(np.float64), w.astype(np.float64), rtol=tol, atol=tol / 10)
+
+
+def test_nan_ranks_first_as_onnx_runtime_ranks_it(tmp_path):
+    """ONNX Runtime's TopK ranks NaN above every number, NaNs by index: a plain TopK the topk plugin rewrites
+    gives the same indices and values on IREE (the C kernel), and so does the reference; in every mode a row of
+    NaN scores picks experts 0..k-1, distinct."""
+    g = helper.make_graph([helper.make_node("TopK", ["x", "k"], ["v", "i"], name="tk", axis=-1)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+                          [helper.make_tensor_value_info("v", TensorProto.FLOAT, ["n", 4]),
+                           helper.make_tensor_value_info("i", TensorProto.INT64, ["n", 4])],
+                          [onnx.numpy_helper.from_array(np.array([4], np.int64), "k")])
+    path = tmp_path / "topk.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), path)
+    x = np.random.default_rng(3).standard_normal((4, 16)).astype(np.float32)
+    x[0, 7] = np.nan
+    x[1, [2, 9]] = np.nan
+    x[2] = np.nan
+    x[3, [0, 5]], x[3, 11] = np.inf, np.nan
+    want = OrtRunner(path).run({"x": x})
+    assert want["i"][:3].tolist() == [[7] + want["i"][0, 1:].tolist(), [2, 9] + want["i"][1, 2:].tolist(), [0, 1, 2, 3]]
+    m = apply(path, tmp_path / "iree", backend="iree", plugins="topk,legalize")
+    (topk,) = [r for r in m.report if r["plugin"] == "topk"]
+    assert {r["rule"]: r["matches"] for r in topk["rules"]}["topk-exact"] == 1
+    got = load_runner(tmp_path / "iree").run({"x": x})
+    np.testing.assert_array_equal(got["i"], want["i"])
+    np.testing.assert_array_equal(got["v"], want["v"])  # NaN equal to NaN, position by position
+    for mode in ("softmax_topk", "topk_softmax", "topk"):
+        _, idx = router_topk_reference(x, 4, 0, mode)
+        assert idx[2].tolist() == [0, 1, 2, 3], mode
+    np.testing.assert_array_equal(router_topk_reference(x, 4, 0, "topk")[1], want["i"])

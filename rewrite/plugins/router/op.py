@@ -27,11 +27,21 @@ _KERNEL_FLAGS = (f"-DROUTER_TOPK_MAX_EXPERTS={MAX_EXPERTS}", f"-DROUTER_TOPK_TOK
                  "-fno-tree-loop-distribute-patterns")  # no memset/memcpy calls: there is no libc to link
 
 
+def ranked(scores: np.ndarray) -> np.ndarray:
+    """Indices [..., E] int64 of ``scores`` [..., E] in the plain modes' order: NaN first (ONNX Runtime's TopK
+    ranks NaN above every number), then values descending, then indices ascending among equals (ONNX TopK-11;
+    -0 and +0 equal)."""
+    nan = np.isnan(scores)
+    # lexsort: the last key is the primary one, and equal keys keep their index order
+    return np.lexsort((-np.where(nan, 0, scores), ~nan), axis=-1).astype(np.int64)
+
+
 def router_topk_reference(logits: np.ndarray, k: int, normalize: int = 0, mode: str = "softmax_topk",
                           weights_dtype=np.float32, *, bias: np.ndarray | None = None, scoring: str = "sigmoid",
                           n_group: int = 1, topk_group: int = 1, scale: float = 1.0, norm_eps: float = 0.0,
                           norm_min: float = 0.0, jitter_eps: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
-    """numpy semantics of ``ai.rewrite::MoERouterTopK`` (what the C kernel computes, bit for bit on indices).
+    """numpy semantics of ``ai.rewrite::MoERouterTopK`` (what the C kernel computes, bit for bit on indices; in the
+    plain modes NaN ranks first, as ONNX Runtime's TopK ranks it: :func:`ranked`).
 
     Args:
         logits: [..., E] float16 or float32 router logits (expert axis last).
@@ -98,7 +108,7 @@ def router_topk_reference(logits: np.ndarray, k: int, normalize: int = 0, mode: 
             raise ValueError(f"MoERouterTopK: sparsemixer selects k=2 of at least 2 experts, not k={k} of {e}")
         return _sparsemixer_reference(np.asarray(logits), jitter_eps, weights_dtype, softmax)
     scores = softmax(x) if mode == "softmax_topk" else x
-    idx = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+    idx = ranked(scores)[..., :k]
     w = np.take_along_axis(scores, idx, -1)
     if mode == "topk_softmax":
         w = softmax(w)

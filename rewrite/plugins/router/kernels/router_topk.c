@@ -13,8 +13,9 @@
 //   router_sparsemixer_<x>_<w>_workgroup.
 // Selection is O(k*E): each round takes the largest value ordered after the previous pick in
 // (value descending, index ascending) order, so among equal values the lower index comes first
-// (ONNX TopK-11: "the element with the lower index will appear first"). NaN logits give unspecified
-// (but in-bounds) indices.
+// (ONNX TopK-11: "the element with the lower index will appear first"). In the plain modes a NaN ranks
+// above every number, NaNs by index among themselves, as ONNX Runtime's TopK ranks them (a row of NaNs
+// gives indices 0, 1, ..); in grouped mode NaN scores give unspecified (but in-bounds) indices.
 
 #include <stddef.h>
 #include <stdint.h>
@@ -107,6 +108,14 @@ ROUTER_FN double exp_d(double x) {
 ROUTER_API float rewrite_router_expf(float x) { return (float)exp_d((double)x); }
 
 // One token: x[e] logits (f16 when xh is set, else xf) -> idx[k], weights written as f32 (wf) or f16 (wh).
+// (a, i) before (b, j) in the plain modes' order: NaN first, then values descending, then indices ascending
+// (-0 and +0 equal, as values)
+ROUTER_FN int ranks_before(float a, size_t i, float b, size_t j) {
+  int an = a != a, bn = b != b;
+  if (an || bn) return an && (!bn || i < j);
+  return a > b || (a == b && i < j);
+}
+
 ROUTER_FN void route(const uint16_t* xh, const float* xf, size_t e, size_t k, size_t mode, size_t normalize,
                   float* wf, uint16_t* wh, int64_t* idx, float* buf) {
   for (size_t j = 0; j < e; ++j) buf[j] = xh ? rewrite_router_f16_to_f32(xh[j]) : xf[j];
@@ -123,10 +132,10 @@ ROUTER_FN void route(const uint16_t* xh, const float* xf, size_t e, size_t k, si
     size_t best = e;
     for (size_t j = 0; j < e; ++j) {
       float v = buf[j];
-      if (r > 0 && !(v < pv || (v == pv && j > pi))) continue;
-      if (best == e || v > buf[best]) best = j;
+      if (r > 0 && !ranks_before(pv, pi, v, j)) continue;
+      if (best == e || ranks_before(v, j, buf[best], best)) best = j;
     }
-    if (best == e) best = 0;  // only with NaN scores
+    if (best == e) best = 0;  // not reached: k <= e distinct positions
     idx[r] = (int64_t)best;
     pv = buf[best];
     pi = best;
