@@ -478,7 +478,9 @@ def _compare_decoding(model: str, folder: str, ids: list[int], res, low_memory: 
 @cli.command("verify")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.argument("folder", type=click.Path(file_okay=False))
-@click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False), help=".npz of inputs by name (default: generated).")
+@click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False),
+              help=".npz of inputs by name (default: generated: consistent decoder inputs, other symbolic dims 1, "
+                   "floats N(0, 0.5^2) and integers 0..3, no NaN or infinity).")
 @click.option("--rtol", type=float, default=None, callback=lambda ctx, param, v: _tolerance(v),
               help="Relative tolerance for float outputs (default by dtype: f32 1e-4, f16 1e-2).")
 @click.option("--seed", default=0, show_default=True)
