@@ -50,7 +50,9 @@ def check_model(graph: Graph, plugins: list[Plugin], where: str) -> None:
     for p in plugins:
         lo, hi = p.opset_range
         if not lo <= opset <= hi:
-            raise UnsupportedModelError(f"{where}: opset {opset} is outside plugin '{p.short}' range {lo}..{hi}")
+            hint = (f" (onnx.version_converter.convert_version(model, {lo}) converts the model, or leave "
+                    f"'{p.short}' out)" if opset < lo else "")
+            raise UnsupportedModelError(f"{where}: opset {opset} is outside plugin '{p.short}' range {lo}..{hi}{hint}")
 
 
 def check_output_folder(out_dir: Path, model_path: Path) -> None:

@@ -153,7 +153,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str]]:
         "missing": (tmp / "missing.onnx", "missing.onnx: no such file"),
         "external": (ext, "initializer 'W' needs external data file 'ext.data'"),
         "domain": (small_model(tmp / "dom.onnx", domain="my.custom"), "node 'foo_node' (my.custom::Foo) is in unknown domain 'my.custom'"),
-        "opset": (small_model(tmp / "old.onnx", opset=9), "opset 9 is outside plugin 'legalize' range"),
+        "opset": (small_model(tmp / "old.onnx", opset=9), "opset 9 is outside plugin 'legalize' range 13..28 (onnx.version_converter.convert_version(model, 13) converts the model, or leave 'legalize' out)"),
     }
 
 
