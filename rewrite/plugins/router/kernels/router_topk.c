@@ -107,7 +107,6 @@ ROUTER_FN double exp_d(double x) {
 // expf through exp_d, rounded once to float; exported for the accuracy test against numpy.
 ROUTER_API float rewrite_router_expf(float x) { return (float)exp_d((double)x); }
 
-// One token: x[e] logits (f16 when xh is set, else xf) -> idx[k], weights written as f32 (wf) or f16 (wh).
 // (a, i) before (b, j) in the plain modes' order: NaN first, then values descending, then indices ascending
 // (-0 and +0 equal, as values)
 ROUTER_FN int ranks_before(float a, size_t i, float b, size_t j) {
@@ -116,6 +115,7 @@ ROUTER_FN int ranks_before(float a, size_t i, float b, size_t j) {
   return a > b || (a == b && i < j);
 }
 
+// One token: x[e] logits (f16 when xh is set, else xf) -> idx[k], weights written as f32 (wf) or f16 (wh).
 ROUTER_FN void route(const uint16_t* xh, const float* xf, size_t e, size_t k, size_t mode, size_t normalize,
                   float* wf, uint16_t* wh, int64_t* idx, float* buf) {
   for (size_t j = 0; j < e; ++j) buf[j] = xh ? rewrite_router_f16_to_f32(xh[j]) : xf[j];
