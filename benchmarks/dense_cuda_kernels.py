@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from moe_cuda_kernels import ITERS, READ_FLOOR, REPS, copy_bandwidth, cupy_or_exit, timed  # noqa: E402
+from moe_cuda_kernels import ITERS, REPS, copy_bandwidth, cupy_or_exit, read_floor, timed  # noqa: E402
 
 #: name -> (K, N): the dense INT4 MatMuls of one layer (Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json)
 SHAPES = {
@@ -118,15 +118,10 @@ def main() -> int:
             nbytes = host["w"].nbytes + host["s"].nbytes + host["z"].nbytes + a.nbytes + t * cols * 2 + \
                 (addend.nbytes if epi in ("bias", "residual") else nw.nbytes if epi == "norm" else 0)
             if t == 1:  # the floor of a kernel reading the weights' bytes (moe_cuda_kernels.READ_FLOOR), same rotation
-                floor_kernel, sink = cp.RawKernel(READ_FLOOR, "read_floor"), cp.zeros(1, cp.uint32)
+                read = read_floor(cp)
                 wbytes = host["w"].nbytes + host["s"].nbytes + host["z"].nbytes
-                reads = [cp.empty(wbytes // 16 * 16, cp.uint8) for _ in range(LAYERS)]
-
-                def read(layer: int) -> None:
-                    m = reads[layer].size // 16
-                    floor_kernel((-(-m // (4 * CUDA_THREADS)),), (CUDA_THREADS,), (reads[layer], np.int64(m), sink))
-
-                us = timed(cp, [lambda i=i: read(i % LAYERS) for i in range(ITERS)], args.reps)
+                reads = [cp.empty(wbytes, cp.uint8) for _ in range(LAYERS)]
+                us = timed(cp, [lambda i=i: read(reads[i % LAYERS]) for i in range(ITERS)], args.reps)
                 print(f"{name:<24} {k:>5} {n:>5} {t:>4} {'floor':<8} {us:>8.1f} {wbytes / 1e6:>7.2f} {wbytes / us / 1e3:>6.0f} "
                       f"{wbytes / us / 1e3 / (bw / 1e9):>8.1%}  (the weights' bytes read, nothing computed)", flush=True)
                 del reads

@@ -146,6 +146,18 @@ extern "C" __global__ void read_floor(const uint4* __restrict__ p, long long n, 
 """
 
 
+def read_floor(cp):
+    """A launcher of :data:`READ_FLOOR`: ``read(buf)`` reads the bytes of the uint8 device array ``buf`` (its
+    size rounded down to 16) once, in one launch of 256-thread workgroups."""
+    kernel, sink = cp.RawKernel(READ_FLOOR, "read_floor"), cp.zeros(1, cp.uint32)
+
+    def read(buf) -> None:
+        n = buf.size // 16
+        kernel((-(-n // (4 * 256)),), (256,), (buf, np.int64(n), sink))
+
+    return read
+
+
 def timed(cp, launches, reps: int) -> float:
     """Median microseconds per launch of ``launches`` (a list of callables), captured once in a CUDA graph."""
     stream = cp.cuda.Stream(non_blocking=True)
@@ -283,17 +295,11 @@ def main() -> int:
                           f"{2 * half / copy_us / 1e3:>6.0f} {2 * half / copy_us / 1e3 / (bw / 1e9):>8.1%}  "
                           "(a copy of as many bytes, read + write)")
                     del bufs
-                    floor_kernel = cp.RawKernel(READ_FLOOR, "read_floor")
-                    sink = cp.zeros(1, cp.uint32)
-                    reads = [{kn: cp.empty(nbytes[kn] // 16 * 16, cp.uint8) for kn in nbytes} for _ in range(LAYERS)]
-
-                    def read(kn, layer):
-                        n = reads[layer][kn].size // 16
-                        floor_kernel((-(-n // (4 * CUDA_THREADS)),), (CUDA_THREADS,), (reads[layer][kn], np.int64(n), sink))
-
-                    fl = {kn: timed(cp, [lambda n=n, kn=kn: read(kn, n % LAYERS) for n in range(ITERS)], args.reps)
+                    read = read_floor(cp)
+                    reads = [{kn: cp.empty(nbytes[kn], cp.uint8) for kn in nbytes} for _ in range(LAYERS)]
+                    fl = {kn: timed(cp, [lambda n=n, kn=kn: read(reads[n % LAYERS][kn]) for n in range(ITERS)], args.reps)
                           for kn in nbytes}
-                    fboth = timed(cp, [lambda n=n, kn=kn: read(kn, n % LAYERS) for n in range(ITERS) for kn in nbytes],
+                    fboth = timed(cp, [lambda n=n, kn=kn: read(reads[n % LAYERS][kn]) for n in range(ITERS) for kn in nbytes],
                                   args.reps) * 2
                     tb = sum(nbytes.values())
                     print(f"{name:<18} {t:>2} {'read floor':<12} {fl['gate_up']:>8.1f} {fl['down']:>8.1f} {fboth:>8.1f} "

@@ -2,7 +2,7 @@
 // streamed into shared memory"): a decode token's layer in one launch, for benchmarks/moe_cuda_kernels.py:
 //     python benchmarks/moe_cuda_kernels.py --tokens 1 --variant stream=benchmarks/variants/moe_stream.cu[,MACRO...]
 // (its rows are NAME/st; the shipped pair's rows NAME/mma come first). It builds on the shipped kernels' source
-// (routing, x's staging and its stage_eight / stage_sums, the tensor-core steps), included whole. Timing macros
+// (routing, the staging of x and of the act rows, the tensor-core steps, the down tile's store), included whole. Timing macros
 // (wrong results on purpose):
 // STREAM_COPY_ONLY returns once the workgroup's copies landed, STREAM_GATE_ONLY after publishing its gate_up range
 // (no wait, no down), STREAM_NO_WAIT computes down without waiting for the other ranges, STREAM_NO_TILE copies no
@@ -208,30 +208,6 @@ __device__ void stream_groups(const uint8_t* dyn, int gbytes, int n0, int n1, co
   }
 }
 
-// One warp stages n values of the act rows (f32, written in this launch: read through the L2) as stage_mma does,
-// every load issued before the first is used (n <= 256 R).
-template <int R>
-__device__ __forceinline__ void stage_act(const float* __restrict__ v, int n, uint4* sh, float2* sums) {
-  int lane = threadIdx.x & 31, np = n / 32;
-  float4 a[R][2];
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr) {
-    int gi = rr * 32 + lane;
-    if (gi < n / 8) a[rr][0] = __ldcg((const float4*)(v + 8 * gi)), a[rr][1] = __ldcg((const float4*)(v + 8 * gi + 4));
-  }
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr) {
-    if (rr * 32 >= n / 8) break;
-    int gi = rr * 32 + lane;
-    float s = 0.f, xs = 0.f;
-    if (gi < n / 8) {
-      float f[8] = {a[rr][0].x, a[rr][0].y, a[rr][0].z, a[rr][0].w, a[rr][1].x, a[rr][1].y, a[rr][1].z, a[rr][1].w};
-      stage_eight(f, gi, np, sh, s, xs);
-    }
-    stage_sums(s, xs, rr * 32, n, sums);
-  }
-}
-
 template <int S, int D>
 __device__ void stream(const __half* x, const __half* logits, const long long* given, const uint8_t* w1,
                        const __half* s1, const uint8_t* z1, const __half* b1, const uint8_t* w2, const __half* s2,
@@ -326,7 +302,9 @@ __device__ void stream(const __half* x, const __half* logits, const long long* g
   int st0 = warp * nst / WARPS, cnt = (warp + 1) * nst / WARPS - st0;
   uint4* as = (uint4*)(dyn + L.as) + warp * D * 16;
   float2* asum = (float2*)(dyn + L.asum) + warp * D;
-  stage_act<(D + 1) / 2>(act + st0 * 128, cnt * 128, as, asum);
+  float f[(D + 1) / 2][8];  // the act rows were written in this launch: read through the L2 (CG)
+  stage_load<(D + 1) / 2, true>(act + st0 * 128, cnt * 128, f);
+  stage_store<(D + 1) / 2>(f, cnt * 128, as, asum);
   cp_async_wait(0);
   __syncthreads();
   const uint8_t* db = dyn + L.down;
@@ -349,16 +327,8 @@ __device__ void stream(const __half* x, const __half* logits, const long long* g
   float2 y = mma_rows<D>(wa, wb, sa, sb, za, zb, cnt, as, asum, c);
   if (c == 0) red[warp][g] = y.x, red[warp][8 + g] = y.y;
   __syncthreads();
-  if (threadIdx.x < 16) {
-    int row = h0 + threadIdx.x;
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) total += red[w][threadIdx.x];
-    if (flags & BIAS)
-      for (int j = 0; j < K; ++j)
-        if (ids[j] >= 0) total += wr[j] * ld(b2, ids[j] * H + row);
-    st_out(out, (long long)row, total, flags, shared, gate, 0);
-  }
+  store_down_tile(red, h0, 0, H, K, flags, b2, [&](int j) { return wr[j]; }, [&](int j) { return ids[j]; }, out,
+                  shared, gate, 0);
 }
 
 // Launched only where moe_cuda_kernels.py's stream_layout holds; anything else traps rather than

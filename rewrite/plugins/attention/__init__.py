@@ -162,7 +162,6 @@ def _(m):
 
 @grouped_attention.rewrite
 def _(m, b):
-    m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.outputs[0]]
     ins = [m["q"], m["k"], m["v"]] + ([m["mask"]] if "mask" in m else [])
     scale = 1.0

@@ -71,7 +71,6 @@ def _(m):
 @dense_float_matmul.rewrite
 def _(m, b):
     w = m.graph.const(m["w"])
-    m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.node("mm").outputs[0]]
     return b.op("DenseMatMul", [m["a"], b.const(np.ascontiguousarray(w.T), "weight")], domain=DOMAIN,
                 dtype=out.dtype, shape=out.shape)

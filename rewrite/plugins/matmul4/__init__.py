@@ -112,7 +112,6 @@ def _rewrite_int4(m, b, k_axis: int, addend: str = ""):
     else:
         zp = np.full(scales.shape, 8 if offset else 0, np.uint8)
     packed = pack_int4((codes.astype(np.int16) + offset).astype(np.uint8))
-    m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.node("mm").outputs[0]]
     ins = [m["a"], b.const(packed, "B"), b.const(np.ascontiguousarray(scales), "scales")]
     if not (offset and not m.get("zero_point")):  # absent zero points mean 8: the INT4 case

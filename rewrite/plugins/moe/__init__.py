@@ -174,7 +174,6 @@ def _(m):
 def _(m, b):
     if "fc1" in m:
         k, normalize, mode = _routing_attrs(m)
-        m.graph.ensure_opset(DOMAIN)
         out = m.graph.values[m.outputs[0]]
         return b.op("FusedMoE", [m["hidden"], m["logits"], m["fc1"], m["fc2"]], domain=DOMAIN, k=k, normalize=normalize,
                     mode=mode, activation="swiglu", block_size=0, dtype=out.dtype, shape=out.shape)
@@ -383,7 +382,6 @@ def _(m, b):
     out = g.values[m.outputs[0]]
     hidden = g.values[p.hidden]
     dtype = helper.tensor_dtype_to_np_dtype(hidden.dtype)
-    g.ensure_opset(DOMAIN)
     fc1, fc2 = b.const(p.fc1.astype(dtype), "gate_up"), b.const(p.fc2.astype(dtype), "down")
     ins = [p.hidden, p.logits, fc1, fc2]
     if p.mode == "routed":  # weights in hidden's dtype, ids int64: the contract's
@@ -450,7 +448,6 @@ def _emit_quantized(m, b, fc1: list, fc2: list, bs: int) -> str:
     k, normalize, mode = _routing_attrs(m)
     ins = [b.const(pack_int4(fc1[0]), "fc1"), b.const(pack_int4(fc2[0]), "fc2"), b.const(fc1[1], "fc1_scales"),
            b.const(fc1[2], "fc1_zero_points"), b.const(fc2[1], "fc2_scales"), b.const(fc2[2], "fc2_zero_points")]
-    m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.outputs[0]]
     return b.op("FusedMoE", [m["hidden"], m["logits"]] + ins, domain=DOMAIN, k=k, normalize=normalize, mode=mode,
                 activation="swiglu", block_size=bs, dtype=out.dtype, shape=out.shape)

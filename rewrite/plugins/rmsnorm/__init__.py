@@ -52,7 +52,6 @@ def _(m):
 
 @rms_norm_rule.rewrite
 def _(m, b):
-    m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.outputs[0]]
     eps = float(np.asarray(m.const("eps")).reshape(-1)[0])
     return b.op("RMSNorm", [m["x"], m["weight"]], domain=DOMAIN, epsilon=eps, dtype=out.dtype, shape=out.shape)

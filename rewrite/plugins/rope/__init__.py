@@ -120,7 +120,6 @@ def _(m):
 
 @rotary_embedding.rewrite
 def _(m, b):
-    m.graph.ensure_opset(DOMAIN)
     out = m.graph.values[m.outputs[0]]
     if "norm_transpose" not in m:
         return b.op("RotaryEmbedding", [m["x0"], m["cos"], m["sin"]], domain=DOMAIN, dtype=out.dtype, shape=out.shape)

@@ -673,14 +673,20 @@ __device__ __forceinline__ void stage_sums(float s, float xs, int g0, int n, flo
   if ((lane & 15) == 0 && b < n / 128) sums[b] = make_float2(s, xs);
 }
 // The same in two parts, for a warp that can hold all its values in registers (n <= 256 NI): stage_load issues
-// every load of this lane's groups of 8 at once (one L2 round trip, not one per 256 values), stage_store converts
-// and stores them; a caller issues its weight loads between the two.
-template <int NI, typename V>
+// every load of this lane's groups of 8 at once (one L2 round trip, not one per 256 values; CG: through the L2
+// only, for act rows written in the same launch), stage_store converts and stores them; a caller issues its
+// weight loads between the two.
+template <int NI, bool CG = false, typename V>
 __device__ __forceinline__ void stage_load(const V* __restrict__ v, int n, float (&f)[NI][8]) {
   int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < NI; ++i)
-    if (32 * i + lane < n / 8) load8(v, 8 * (32 * i + lane), f[i]);
+    if (32 * i + lane < n / 8) {
+      if (CG)
+        load8_cg(v, 8 * (32 * i + lane), f[i]);
+      else
+        load8(v, 8 * (32 * i + lane), f[i]);
+    }
 }
 template <int NI>
 __device__ __forceinline__ void stage_store(const float (&f)[NI][8], int n, uint4* sh, float2* sums) {
@@ -820,6 +826,25 @@ __device__ void gate_up_mma(const __half* x, const __half* logits, const long lo
   }
 }
 
+// The end of a down tile: rows row0 .. row0 + 15 summed over the warps' partial sums red, plus each routed
+// expert's bias (weight(j) * b2[expert(j), row] where expert(j) >= 0), stored by st_out at out_base + row.
+template <typename Weight, typename Expert>
+__device__ __forceinline__ void store_down_tile(const float (*red)[16], int row0, long long out_base, int H, int K,
+                                                int flags, const __half* b2, Weight weight, Expert expert, __half* out,
+                                                const __half* shared, const __half* gate, long long tok) {
+  if (threadIdx.x >= 16) return;
+  int row = row0 + threadIdx.x;
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) total += red[w][threadIdx.x];
+  if (flags & BIAS)
+    for (int j = 0; j < K; ++j) {
+      long long e = expert(j);
+      if (e >= 0) total += weight(j) * ld(b2, e * H + row);
+    }
+  st_out(out, out_base + row, total, flags, shared, gate, tok);
+}
+
 // down with at most S blocks of 128 codes per warp (k * I <= 128 * S * WARPS). EARLY (the one-token export): each
 // warp reads its act values into registers before its weight loads and converts them once those are issued, so
 // their L2 round trip overlaps the weights' (at S = 6, the seeds' layers, 150 registers instead of 124: one
@@ -866,18 +891,8 @@ __device__ void down_mma(const float* act, const void* w2, const __half* s2, con
     float2 y = mma_rows<S>(wa, wb, sa, sb, za, zb, cnt, xs[warp], sums[warp], c);
     if (c == 0) red[warp][g] = y.x, red[warp][8 + g] = y.y;
     __syncthreads();
-    if (threadIdx.x < 16) {
-      int row = h0 + threadIdx.x;
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) total += red[w][threadIdx.x];
-      if (flags & BIAS)
-        for (int j = 0; j < K; ++j) {
-          int e = __float_as_int(tail[K + j]);
-          if (e >= 0) total += tail[j] * ld(b2, (long long)e * H + row);
-        }
-      st_out(out, (long long)tok * H + row, total, flags, shared, gate, tok);
-    }
+    store_down_tile(red, h0, (long long)tok * H, H, K, flags, b2, [&](int j) { return tail[j]; },
+                    [&](int j) { return (long long)__float_as_int(tail[K + j]); }, out, shared, gate, tok);
     __syncthreads();
   }
 }
